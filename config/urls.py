@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path, re_path
+
+from inference import health
+from tenants.api.views import v1_not_found
+
+urlpatterns = [
+    path("health", health.health),
+    path("ready", health.ready),
+    path("metrics", health.metrics),
+    path("admin/", admin.site.urls),
+    path("dashboard/", include("tenants.dashboard.urls")),
+    path("v1/", include("tenants.api.urls")),
+    path("v1/", include("inference.api.urls")),
+    # Add further /v1 routes ABOVE this line: this catch-all must stay the last /v1 pattern, so
+    # unknown /v1 URLs answer 404 in the OpenAI error shape instead of an HTML page.
+    re_path(r"^v1(/.*)?$", v1_not_found),
+]

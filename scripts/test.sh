@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the test suite against real PostgreSQL and Redis on this machine. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+scripts/services.sh
+# Headless Chromium and its driver for the browser tests (Debian packages).
+if ! command -v chromedriver >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+    || echo "warning: could not install chromium; browser tests will fail" >&2
+fi
+export DATABASE_URL=${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
+export REDIS_URL=${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}
+export DEBUG=false PAGODA_ALLOW_DEV_SECRETS=true
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
+export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
+export PAGODA_REDIS_PREFIX=${PAGODA_REDIS_PREFIX:-pagoda-test-$$:}
+exec .venv/bin/python -m pytest "$@"
