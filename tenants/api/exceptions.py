@@ -1,0 +1,110 @@
+"""Every API error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+`api_exception_handler` is DRF's EXCEPTION_HANDLER; `error_response` serves plain (async) views.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, JsonResponse
+from rest_framework import exceptions as drf
+from rest_framework.response import Response
+from rest_framework.views import set_rollback
+
+from tenants.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    PermissionDeniedError,
+    PlatformError,
+    RateLimitError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _first_error(detail, path: str = "") -> tuple[str | None, str, str]:
+    """(param, message, code) of the first error in a DRF ValidationError detail."""
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            name = path if key == "non_field_errors" else (f"{path}.{key}" if path else str(key))
+            return _first_error(value, name)
+    if isinstance(detail, list):
+        for index, value in enumerate(detail):
+            if isinstance(value, dict | list):
+                return _first_error(value, f"{path}[{index}]" if path else str(index))
+            return _first_error(value, path)
+    code = getattr(detail, "code", None) or "invalid"
+    return (path or None), str(detail), str(code)
+
+
+def _message_of(exc: drf.APIException) -> str:
+    detail = exc.detail
+    if isinstance(detail, list | dict):
+        return _first_error(detail)[1]
+    return str(detail)
+
+
+def to_platform_error(exc: Exception) -> PlatformError | None:
+    """Translate DRF's and Django's exceptions into the one hierarchy (None: not ours to handle)."""
+    if isinstance(exc, PlatformError):
+        return exc
+    if isinstance(exc, drf.ValidationError):
+        param, message, code = _first_error(exc.detail)
+        return InvalidRequestError(message, param=param, code=code)
+    if isinstance(exc, drf.ParseError):
+        return InvalidRequestError(
+            f"We could not parse the JSON body of your request. ({_message_of(exc)})", code="invalid_json"
+        )
+    if isinstance(exc, drf.UnsupportedMediaType):
+        return InvalidRequestError(_message_of(exc), code="unsupported_media_type")
+    if isinstance(exc, drf.NotAcceptable):
+        return InvalidRequestError(_message_of(exc), code="not_acceptable")
+    if isinstance(exc, drf.NotAuthenticated | drf.AuthenticationFailed):
+        return AuthenticationError(_message_of(exc))
+    if isinstance(exc, drf.PermissionDenied | PermissionDenied):
+        return PermissionDeniedError(str(getattr(exc, "detail", "")) or None)
+    if isinstance(exc, drf.NotFound | Http404):
+        return NotFoundError(str(getattr(exc, "detail", "")) or None)
+    if isinstance(exc, drf.MethodNotAllowed):
+        return MethodNotAllowedError(_message_of(exc))
+    if isinstance(exc, drf.Throttled):
+        wait = exc.wait or 1
+        return RateLimitError(_message_of(exc), headers={"retry-after": str(int(wait) or 1)})
+    if isinstance(exc, drf.APIException):
+        error = PlatformError(_message_of(exc), code=str(exc.default_code))
+        error.status_code = exc.status_code
+        return error
+    return None
+
+
+def api_exception_handler(exc: Exception, context: dict) -> Response | None:
+    error = to_platform_error(exc)
+    if error is None:
+        # A bug, not bad input: log it, and still answer in the API's shape.
+        logger.exception("unhandled error in %s", context.get("view").__class__.__name__, exc_info=exc)
+        error = PlatformError()
+    set_rollback()
+    response = Response(error.as_body(), status=error.status_code)
+    for name, value in error.headers.items():
+        response[name] = value
+    if error.status_code == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="api"'
+    return response
+
+
+def error_response(exc: Exception) -> JsonResponse:
+    """The same rendering for views outside DRF (async views, the /v1 catch-all)."""
+    error = to_platform_error(exc)
+    if error is None:
+        logger.exception("unhandled error", exc_info=exc)
+        error = PlatformError()
+    response = JsonResponse(error.as_body(), status=error.status_code)
+    for name, value in error.headers.items():
+        response[name] = value
+    if error.status_code == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="api"'
+    return response

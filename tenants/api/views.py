@@ -1,0 +1,84 @@
+"""GET /v1/usage and the /v1 catch-all."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.http import JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework import serializers
+from rest_framework.response import Response
+
+from tenants.api.base import StrictSerializer, TenantApiView
+from tenants.api.exceptions import error_response
+from tenants.errors import InvalidRequestError, NotFoundError
+from tenants.selectors import GROUP_BY_CHOICES, usage_summary
+
+MAX_RANGE_DAYS = 366
+
+
+class UsageListApi(TenantApiView):
+    """Usage of the calling key's tenant, in buckets per day, model or key."""
+
+    class InputSerializer(StrictSerializer):
+        start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+        end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+        group_by = serializers.ChoiceField(choices=GROUP_BY_CHOICES, default="day")
+
+    class OutputSerializer(serializers.Serializer):
+        date = serializers.DateField(source="day", required=False)
+        model = serializers.CharField(required=False)
+        api_key_id = serializers.IntegerField(required=False)
+        api_key_prefix = serializers.SerializerMethodField()
+        api_key_name = serializers.CharField(source="api_key__name", required=False)
+        requests = serializers.IntegerField()
+        errors = serializers.IntegerField()
+        prompt_tokens = serializers.IntegerField()
+        completion_tokens = serializers.IntegerField()
+        cached_tokens = serializers.IntegerField()
+        total_tokens = serializers.SerializerMethodField()
+
+        def get_api_key_prefix(self, bucket: dict) -> str | None:
+            prefix = bucket.get("api_key__prefix")
+            return f"sk-{prefix}" if prefix else None
+
+        def get_total_tokens(self, bucket: dict) -> int:
+            return int(bucket["prompt_tokens"] or 0) + int(bucket["completion_tokens"] or 0)
+
+        def to_representation(self, instance):
+            data = super().to_representation(instance)
+            if data.get("api_key_prefix") is None:
+                data.pop("api_key_prefix", None)
+            return data
+
+    def get(self, request):
+        params = self.InputSerializer(data=request.query_params)
+        params.is_valid(raise_exception=True)
+        end = params.validated_data.get("end") or timezone.now().date()
+        start = params.validated_data.get("start") or end - timedelta(days=29)
+        if start > end:
+            raise InvalidRequestError("start must not be after end.", param="start", code="invalid_range")
+        if (end - start).days >= MAX_RANGE_DAYS:
+            raise InvalidRequestError(
+                f"The range may span at most {MAX_RANGE_DAYS} days.", param="start", code="invalid_range"
+            )
+        group_by = params.validated_data["group_by"]
+        buckets = usage_summary(tenant_id=request.auth.tenant_id, start=start, end=end, group_by=group_by)
+        return Response(
+            {
+                "object": "list",
+                "start": start.isoformat(),
+                "end": end.isoformat(),
+                "group_by": group_by,
+                "data": self.OutputSerializer(buckets, many=True).data,
+            }
+        )
+
+
+@csrf_exempt
+def v1_not_found(request, *args, **kwargs) -> JsonResponse:
+    """Unknown /v1 routes answer in the API's error shape, never with an HTML page."""
+    return error_response(
+        NotFoundError(f"Invalid URL ({request.method} {request.path}).", code="unknown_url")
+    )

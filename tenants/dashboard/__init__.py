@@ -1,0 +1,1 @@
+"""The tenant dashboard: server-rendered pages for members (keys, usage, limits, playground)."""

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from tenants.dashboard import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path(
+        "login/",
+        auth_views.LoginView.as_view(template_name="registration/login.html", redirect_authenticated_user=True),
+        name="login",
+    ),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", views.home, name="home"),
+    path("switch/", views.switch, name="switch"),
+    path("t/<slug:slug>/", views.overview, name="overview"),
+    path("t/<slug:slug>/keys/", views.keys, name="keys"),
+    path("t/<slug:slug>/keys/new/", views.key_create, name="key_create"),
+    path("t/<slug:slug>/keys/<int:key_id>/", views.key_detail, name="key_detail"),
+    path("t/<slug:slug>/keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
+    path("t/<slug:slug>/usage/", views.usage, name="usage"),
+    path("t/<slug:slug>/playground/", views.playground, name="playground"),
+]

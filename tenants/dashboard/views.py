@@ -1,0 +1,160 @@
+"""Dashboard pages. Reads go through selectors, writes through tenants services; no logic here."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from tenants.dashboard.access import TenantAccess, memberships_for_user, tenant_page
+from tenants.dashboard.forms import ApiKeyCreateForm
+from tenants.dashboard.usage import PERIOD_CHOICES, period_days, usage_report
+from tenants.models import ApiKey
+from tenants.selectors import api_key_get_for_user, api_key_list_for_tenant, quota_status
+from tenants.services import api_key_create_for_member, api_key_revoke_for_member
+
+WEBSOCKET_CHAT_PATH = "/ws/v1/chat"
+
+
+@require_GET
+@login_required
+def home(request: HttpRequest) -> HttpResponse:
+    memberships = memberships_for_user(user=request.user)
+    if not memberships:
+        return render(request, "dashboard/no_tenant.html", status=403)
+    return redirect("dashboard:overview", slug=memberships[0].tenant.slug)
+
+
+@require_GET
+@login_required
+def switch(request: HttpRequest) -> HttpResponse:
+    # The overview resolves the slug through the user's memberships (404 for anything else).
+    slug = request.GET.get("tenant", "")
+    if not slug:
+        return redirect("dashboard:home")
+    return redirect("dashboard:overview", slug=slug)
+
+
+def _limits(access: TenantAccess):
+    return getattr(access.tenant, "limits", None)
+
+
+@require_GET
+@tenant_page
+def overview(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    status = quota_status(tenant=access.tenant)
+    percent = None
+    if status.quota:
+        percent = min(100, round(100 * status.used / status.quota))
+    elif status.quota == 0:
+        percent = 100
+    limits = _limits(access)
+    quota = {
+        "limit": status.quota,
+        "used": status.used,
+        "remaining": status.remaining,
+        "percent": percent,
+        "period_label": timezone.now().strftime("%B %Y"),
+    }
+    context = access.context(
+        active_tab="overview",
+        limits=limits,
+        quota=quota,
+        allowed_models=list(getattr(limits, "allowed_models", None) or []),
+        active_key_count=api_key_list_for_tenant(tenant_id=access.tenant.pk)
+        .filter(revoked_at__isnull=True)
+        .count(),
+    )
+    return render(request, "dashboard/overview.html", context)
+
+
+def _keys_page(request: HttpRequest, access: TenantAccess, form: ApiKeyCreateForm, status: int = 200):
+    context = access.context(
+        active_tab="keys", form=form, keys=list(api_key_list_for_tenant(tenant_id=access.tenant.pk))
+    )
+    return render(request, "dashboard/keys.html", context, status=status)
+
+
+@require_GET
+@tenant_page
+def keys(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    return _keys_page(request, access, ApiKeyCreateForm())
+
+
+@require_POST
+@tenant_page
+def key_create(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    access.require_key_manager()
+    form = ApiKeyCreateForm(request.POST)
+    if not form.is_valid():
+        return _keys_page(request, access, form, status=400)
+    api_key, secret = api_key_create_for_member(
+        user=request.user, tenant_id=access.tenant.pk, name=form.cleaned_data["name"], expires_at=form.expires_at()
+    )
+    # The secret exists only in this response: it must not be kept by any cache or the back button.
+    response = render(
+        request, "dashboard/key_created.html", access.context(active_tab="keys", key=api_key, secret=secret)
+    )
+    add_never_cache_headers(response)
+    return response
+
+
+def _tenant_key(request: HttpRequest, access: TenantAccess, key_id: int) -> ApiKey:
+    api_key = api_key_get_for_user(user=request.user, api_key_id=key_id)
+    # A user in two tenants must not reach tenant B's key through tenant A's URLs either.
+    if api_key.tenant_id != access.tenant.pk:
+        raise Http404("Not found.")
+    return api_key
+
+
+@require_GET
+@tenant_page
+def key_detail(request: HttpRequest, access: TenantAccess, key_id: int) -> HttpResponse:
+    api_key = _tenant_key(request, access, key_id)
+    return render(request, "dashboard/key_detail.html", access.context(active_tab="keys", key=api_key))
+
+
+@require_http_methods(["GET", "POST"])
+@tenant_page
+def key_revoke(request: HttpRequest, access: TenantAccess, key_id: int) -> HttpResponse:
+    api_key = _tenant_key(request, access, key_id)
+    access.require_key_manager()
+    if request.method == "GET":
+        return render(
+            request, "dashboard/key_revoke_confirm.html", access.context(active_tab="keys", key=api_key)
+        )
+    api_key_revoke_for_member(user=request.user, api_key_id=api_key.pk)
+    messages.success(request, f"Key “{api_key.name}” ({api_key.display_prefix}…) was revoked.")
+    return redirect("dashboard:keys", slug=access.tenant.slug)
+
+
+@require_GET
+@tenant_page
+def usage(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    days = period_days(request.GET.get("days"))
+    report = usage_report(tenant_id=access.tenant.pk, days=days, today=timezone.now().date())
+    context = access.context(
+        active_tab="usage",
+        period_days=days,
+        period_choices=PERIOD_CHOICES,
+        start=report.start,
+        end=report.end,
+        daily=report.daily,
+        by_model=report.by_model,
+        totals=report.totals,
+        chart_daily=report.chart_daily(),
+        chart_models=report.chart_models(),
+    )
+    return render(request, "dashboard/usage.html", context)
+
+
+@require_GET
+@tenant_page
+def playground(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    models = list(getattr(_limits(access), "allowed_models", None) or [])
+    context = access.context(active_tab="playground", models=models, ws_path=WEBSOCKET_CHAT_PATH)
+    return render(request, "dashboard/playground.html", context)

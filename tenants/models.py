@@ -1,0 +1,167 @@
+"""Tenancy: tenants, their members, limits and API keys, and the usage ledger with its daily roll-up.
+
+Models stay thin: fields, constraints and one-row properties. Behaviour lives in services/selectors.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Tenant(models.Model):
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=64, unique=True)
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class TenantLimits(models.Model):
+    """Per-tenant limits. A null rate field means unlimited; an empty model list means no model."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="limits")
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    monthly_token_quota = models.PositiveBigIntegerField(null=True, blank=True)
+    allowed_models = models.JSONField(
+        default=list, blank=True, help_text="Served model names this tenant may call. Empty: none."
+    )
+
+    class Meta:
+        verbose_name_plural = "tenant limits"
+
+    def __str__(self) -> str:
+        return f"limits of {self.tenant_id}"
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        ADMIN = "admin", "Admin"
+        MEMBER = "member", "Member"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "tenant"], name="membership_user_tenant_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.user_id}@{self.tenant_id} ({self.role})"
+
+
+class ApiKey(models.Model):
+    """An API key. Only the lookup prefix and an HMAC digest of the secret are kept."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    prefix = models.CharField(max_length=32, unique=True, editable=False)
+    digest = models.CharField(max_length=64, editable=False)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    allowed_models = models.JSONField(
+        null=True, blank=True, help_text="Null: inherit the tenant's models. A list narrows them."
+    )
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.display_prefix})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"sk-{self.prefix}"
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+
+class UsageRecord(models.Model):
+    """Append-only ledger: exactly one row per request. Never holds prompt or output text."""
+
+    class Status(models.TextChoices):
+        SUCCESS = "success", "Success"
+        ERROR = "error", "Error"
+        CANCELLED = "cancelled", "Cancelled"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
+    # PROTECT: keys are revoked, never deleted, while the ledger refers to them.
+    api_key = models.ForeignKey(ApiKey, on_delete=models.PROTECT, related_name="usage_records")
+    model = models.CharField(max_length=200)
+    adapter = models.CharField(max_length=200, null=True, blank=True)
+    prompt_tokens = models.PositiveIntegerField()
+    completion_tokens = models.PositiveIntegerField()
+    cached_tokens = models.PositiveIntegerField(default=0)
+    time_to_first_token_ms = models.FloatField(null=True, blank=True)
+    latency_ms = models.FloatField()
+    status = models.CharField(max_length=16, choices=Status.choices)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["tenant", "created_at"], name="usage_tenant_created_idx")]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class UsageDaily(models.Model):
+    """Daily aggregates of the ledger, recomputed by `usage_rollup` (an idempotent upsert)."""
+
+    day = models.DateField()
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_daily")
+    api_key = models.ForeignKey(ApiKey, on_delete=models.PROTECT, related_name="usage_daily")
+    model = models.CharField(max_length=200)
+    # "" rather than NULL for "no adapter": NULLs never conflict in a unique index, which would
+    # break the upsert.
+    adapter = models.CharField(max_length=200, blank=True, default="")
+    requests = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-day", "tenant_id", "model"]
+        verbose_name_plural = "usage daily"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["day", "tenant", "api_key", "model", "adapter"], name="usage_daily_bucket_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.tenant_id} {self.model}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

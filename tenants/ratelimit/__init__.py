@@ -1,0 +1,1 @@
+"""Rate limits, concurrency and monthly quota, counted atomically in Redis (see admit.lua)."""

@@ -1,0 +1,52 @@
+"""Tenancy services (writes). Other apps import from here, never from the submodules' internals."""
+
+from __future__ import annotations
+
+from tenants.services.admission import (
+    admission_reserve,
+    admission_settle,
+    model_access_check,
+    quota_period,
+    request_admit,
+    tenant_allowed_models,
+)
+from tenants.services.api_keys import (
+    api_key_authenticate,
+    api_key_create,
+    api_key_digest,
+    api_key_revoke,
+    auth_cache_invalidate,
+    bearer_token,
+)
+from tenants.services.tenants import (
+    api_key_create_for_member,
+    api_key_revoke_for_member,
+    membership_create,
+    tenant_create,
+    tenant_limits_update,
+    tenant_set_active,
+)
+from tenants.services.usage import usage_record_create, usage_rollup
+
+__all__ = [
+    "admission_reserve",
+    "admission_settle",
+    "api_key_authenticate",
+    "api_key_create",
+    "api_key_create_for_member",
+    "api_key_digest",
+    "api_key_revoke",
+    "api_key_revoke_for_member",
+    "auth_cache_invalidate",
+    "bearer_token",
+    "membership_create",
+    "model_access_check",
+    "quota_period",
+    "request_admit",
+    "tenant_allowed_models",
+    "tenant_create",
+    "tenant_limits_update",
+    "tenant_set_active",
+    "usage_record_create",
+    "usage_rollup",
+]

@@ -1,0 +1,95 @@
+"""Tenants, members and limits; the member-facing key operations used by the dashboard."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db import transaction
+
+from tenants.errors import PermissionDeniedError
+from tenants.models import ApiKey, Membership, Tenant, TenantLimits
+from tenants.selectors import api_key_get_for_user, membership_get
+from tenants.services.api_keys import api_key_create, api_key_revoke, auth_cache_invalidate
+
+_LIMIT_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent_requests",
+    "monthly_token_quota",
+    "allowed_models",
+)
+# Members read; owners and admins also create and revoke keys.
+KEY_MANAGER_ROLES = frozenset({Membership.Role.OWNER, Membership.Role.ADMIN})
+
+
+@transaction.atomic
+def tenant_create(
+    *,
+    name: str,
+    slug: str,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+    max_concurrent_requests: int | None = None,
+    monthly_token_quota: int | None = None,
+    allowed_models: list[str] | None = None,
+) -> Tenant:
+    tenant = Tenant.objects.create(name=name, slug=slug)
+    TenantLimits.objects.create(
+        tenant=tenant,
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+        max_concurrent_requests=max_concurrent_requests,
+        monthly_token_quota=monthly_token_quota,
+        allowed_models=list(allowed_models or []),
+    )
+    return tenant
+
+
+def tenant_limits_update(*, tenant: Tenant, **changes) -> TenantLimits:
+    """Change limits; every process picks them up on its next request."""
+    unknown = set(changes) - set(_LIMIT_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown limit fields: {sorted(unknown)}")
+    limits, _ = TenantLimits.objects.get_or_create(tenant=tenant)
+    for name, value in changes.items():
+        setattr(limits, name, value)
+    limits.save(update_fields=list(changes) or None)
+    transaction.on_commit(auth_cache_invalidate)
+    return limits
+
+
+def tenant_set_active(*, tenant: Tenant, active: bool) -> Tenant:
+    Tenant.objects.filter(pk=tenant.pk).update(active=active)
+    tenant.active = active
+    transaction.on_commit(auth_cache_invalidate)
+    return tenant
+
+
+def membership_create(*, tenant: Tenant, user, role: str = Membership.Role.MEMBER) -> Membership:
+    membership, created = Membership.objects.get_or_create(tenant=tenant, user=user, defaults={"role": role})
+    if not created and membership.role != role:
+        membership.role = role
+        membership.save(update_fields=["role"])
+    return membership
+
+
+def _key_manager(*, user, tenant_id: int) -> Membership:
+    membership = membership_get(user=user, tenant_id=tenant_id)  # NotFoundError for outsiders
+    if membership.role not in KEY_MANAGER_ROLES:
+        raise PermissionDeniedError("Only owners and admins can manage API keys.")
+    return membership
+
+
+def api_key_create_for_member(
+    *, user, tenant_id: int, name: str, expires_at: datetime | None = None
+) -> tuple[ApiKey, str]:
+    """Owners and admins create keys; members only read. Returns the key and its raw secret."""
+    membership = _key_manager(user=user, tenant_id=tenant_id)
+    return api_key_create(tenant=membership.tenant, name=name, created_by=user, expires_at=expires_at)
+
+
+def api_key_revoke_for_member(*, user, api_key_id: int) -> ApiKey:
+    """Owners and admins revoke their tenant's keys (NotFoundError for anyone outside it)."""
+    api_key = api_key_get_for_user(user=user, api_key_id=api_key_id)
+    _key_manager(user=user, tenant_id=api_key.tenant_id)
+    return api_key_revoke(api_key=api_key)

@@ -1,0 +1,327 @@
+"""The tenant dashboard through Django's test client, against the real database and Redis.
+
+World: tenant A with an owner, an admin and a member; tenant B with an outsider who owns it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from tenants.errors import AuthenticationError
+from tenants.models import ApiKey, Membership, UsageRecord
+from tenants.services import (
+    api_key_authenticate,
+    api_key_create,
+    membership_create,
+    tenant_create,
+    usage_record_create,
+)
+
+pytestmark = pytest.mark.django_db
+
+PASSWORD = "correct horse battery staple"
+
+
+def _user(username: str):
+    return get_user_model().objects.create_user(username=username, password=PASSWORD)
+
+
+@pytest.fixture
+def world():
+    tenant_a = tenant_create(
+        name="Acme Research",
+        slug="acme",
+        requests_per_minute=600,
+        tokens_per_minute=90_000,
+        max_concurrent_requests=8,
+        monthly_token_quota=1_000_000,
+        allowed_models=["tiny-llama", "tiny-qwen"],
+    )
+    tenant_b = tenant_create(name="Globex Labs", slug="globex", allowed_models=["globex-secret-model"])
+    owner, admin, member, outsider = (_user(n) for n in ("olivia", "adam", "mia", "oscar"))
+    membership_create(tenant=tenant_a, user=owner, role=Membership.Role.OWNER)
+    membership_create(tenant=tenant_a, user=admin, role=Membership.Role.ADMIN)
+    membership_create(tenant=tenant_a, user=member, role=Membership.Role.MEMBER)
+    membership_create(tenant=tenant_b, user=outsider, role=Membership.Role.OWNER)
+    key_a, _ = api_key_create(tenant=tenant_a, name="acme-prod", created_by=owner)
+    key_b, _ = api_key_create(tenant=tenant_b, name="globex-prod", created_by=outsider)
+    return {
+        "a": tenant_a,
+        "b": tenant_b,
+        "owner": owner,
+        "admin": admin,
+        "member": member,
+        "outsider": outsider,
+        "key_a": key_a,
+        "key_b": key_b,
+    }
+
+
+def _client(user, *, enforce_csrf: bool = False) -> Client:
+    client = Client(enforce_csrf_checks=enforce_csrf)
+    client.force_login(user)
+    return client
+
+
+def _record(*, key: ApiKey, model: str, prompt: int, completion: int, days_ago: int = 0, status="success"):
+    record = usage_record_create(
+        tenant_id=key.tenant_id,
+        api_key_id=key.pk,
+        model=model,
+        adapter=None,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=0,
+        time_to_first_token_ms=12.0,
+        latency_ms=80.0,
+        status=status,
+        request_id=f"req-{key.pk}-{model}-{prompt}-{completion}-{days_ago}",
+    )
+    if days_ago:
+        UsageRecord.objects.filter(pk=record.pk).update(created_at=timezone.now() - timedelta(days=days_ago))
+    return record
+
+
+def test_anonymous_visitor_is_sent_to_the_login_page(world):
+    response = Client().get(reverse("dashboard:overview", args=["acme"]))
+
+    assert response.status_code == 302
+    assert response["Location"].startswith("/dashboard/login/?next=/dashboard/t/acme/")
+
+
+def test_user_logs_in_with_the_form_and_lands_on_their_tenant(world):
+    client = Client()
+    response = client.post("/dashboard/login/", {"username": "mia", "password": PASSWORD}, follow=True)
+
+    assert response.redirect_chain[-1] == ("/dashboard/t/acme/", 302)
+    assert response.status_code == 200
+    assert "Acme Research" in response.content.decode()
+
+
+def test_member_sees_only_their_own_tenant(world):
+    response = _client(world["member"]).get(reverse("dashboard:overview", args=["acme"]))
+    html = response.content.decode()
+
+    assert response.status_code == 200
+    assert "Acme Research" in html
+    assert "Globex" not in html
+    assert 'id="tenant-switch"' not in html  # a single membership: no switcher
+
+
+def test_user_with_two_memberships_gets_a_switcher_listing_exactly_those_tenants(world):
+    membership_create(tenant=world["b"], user=world["member"], role=Membership.Role.MEMBER)
+    tenant_create(name="Initech", slug="initech")
+
+    html = _client(world["member"]).get(reverse("dashboard:overview", args=["acme"])).content.decode()
+
+    switcher = html.split('id="tenant-switch"', 1)[1].split("</select>", 1)[0]
+    assert re.findall(r'value="([^"]+)"', switcher) == ["acme", "globex"]
+    switch = _client(world["member"]).get(reverse("dashboard:switch") + "?tenant=globex")
+    assert switch["Location"] == "/dashboard/t/globex/"
+
+
+def _tenant_a_urls(world) -> list[tuple[str, str]]:
+    key = world["key_a"].pk
+    return [
+        ("get", reverse("dashboard:overview", args=["acme"])),
+        ("get", reverse("dashboard:keys", args=["acme"])),
+        ("post", reverse("dashboard:key_create", args=["acme"])),
+        ("get", reverse("dashboard:key_detail", args=["acme", key])),
+        ("get", reverse("dashboard:key_revoke", args=["acme", key])),
+        ("post", reverse("dashboard:key_revoke", args=["acme", key])),
+        ("get", reverse("dashboard:usage", args=["acme"])),
+        ("get", reverse("dashboard:playground", args=["acme"])),
+    ]
+
+
+def test_outsider_gets_404_on_every_dashboard_url_of_tenant_a(world):
+    client = _client(world["outsider"])
+
+    for method, url in _tenant_a_urls(world):
+        data = {"name": "stolen"} if method == "post" else None
+        response = getattr(client, method)(url, data)
+        assert response.status_code == 404, (method, url)
+        assert "Acme" not in response.content.decode()
+
+    assert ApiKey.objects.filter(tenant=world["a"]).count() == 1
+    world["key_a"].refresh_from_db()
+    assert world["key_a"].revoked_at is None
+
+
+def test_tenant_b_key_is_404_through_tenant_a_urls_even_for_a_member_of_both(world):
+    membership_create(tenant=world["b"], user=world["owner"], role=Membership.Role.MEMBER)
+    client = _client(world["owner"])
+    key_b = world["key_b"].pk
+
+    assert client.get(reverse("dashboard:key_detail", args=["acme", key_b])).status_code == 404
+    assert client.post(reverse("dashboard:key_revoke", args=["acme", key_b])).status_code == 404
+    world["key_b"].refresh_from_db()
+    assert world["key_b"].revoked_at is None
+
+
+def test_member_role_sees_keys_read_only_and_cannot_create_or_revoke(world):
+    client = _client(world["member"])
+
+    page = client.get(reverse("dashboard:keys", args=["acme"])).content.decode()
+    assert "acme-prod" in page
+    assert 'id="read-only-note"' in page
+    assert 'id="create-key"' not in page
+    assert "revoke-link" not in page
+
+    created = client.post(reverse("dashboard:key_create", args=["acme"]), {"name": "mine"})
+    revoke = client.post(reverse("dashboard:key_revoke", args=["acme", world["key_a"].pk]))
+
+    assert created.status_code == 403
+    assert revoke.status_code == 403
+    assert list(ApiKey.objects.filter(tenant=world["a"]).values_list("name", flat=True)) == ["acme-prod"]
+    world["key_a"].refresh_from_db()
+    assert world["key_a"].revoked_at is None
+
+
+def test_owner_creates_a_key_and_its_secret_is_shown_exactly_once(world):
+    client = _client(world["owner"])
+
+    response = client.post(
+        reverse("dashboard:key_create", args=["acme"]), {"name": "ci runner", "expires_in_days": "30"}
+    )
+
+    assert response.status_code == 200
+    assert "no-store" in response["Cache-Control"]
+    secret = re.search(r'id="new-key-secret"[^>]*value="([^"]+)"|value="([^"]+)"[^>]*id="new-key-secret"',
+                       response.content.decode())
+    raw_key = next(g for g in secret.groups() if g)
+    key = ApiKey.objects.get(tenant=world["a"], name="ci runner")
+    assert raw_key.startswith(key.display_prefix + "_")
+    assert key.created_by == world["owner"]
+    assert timedelta(days=29, hours=23) < key.expires_at - timezone.now() <= timedelta(days=30)
+    assert raw_key not in (key.digest, key.prefix)
+    assert api_key_authenticate(raw_key=raw_key).api_key_id == key.pk
+
+    for url in (
+        reverse("dashboard:keys", args=["acme"]),
+        reverse("dashboard:key_detail", args=["acme", key.pk]),
+        reverse("dashboard:overview", args=["acme"]),
+    ):
+        html = client.get(url).content.decode()
+        assert raw_key not in html
+        assert raw_key.split("_", 1)[1] not in html
+    listing = client.get(reverse("dashboard:keys", args=["acme"])).content.decode()
+    assert f"{key.display_prefix}…" in listing
+
+
+def test_key_create_with_a_blank_name_shows_the_error_and_creates_nothing(world):
+    response = _client(world["admin"]).post(reverse("dashboard:key_create", args=["acme"]), {"name": "  "})
+
+    assert response.status_code == 400
+    assert "This field is required." in response.content.decode()
+    assert ApiKey.objects.filter(tenant=world["a"]).count() == 1
+
+
+def test_admin_revokes_a_key_after_a_confirmation_page(world):
+    client = _client(world["admin"])
+    _, raw_key = api_key_create(tenant=world["a"], name="to revoke", created_by=world["owner"])
+    key = ApiKey.objects.get(name="to revoke")
+    url = reverse("dashboard:key_revoke", args=["acme", key.pk])
+
+    confirm = client.get(url)
+    key.refresh_from_db()
+    assert confirm.status_code == 200
+    assert 'id="confirm-revoke"' in confirm.content.decode()
+    assert key.revoked_at is None
+
+    response = client.post(url, follow=True)
+
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    assert response.redirect_chain == [(reverse("dashboard:keys", args=["acme"]), 302)]
+    row = response.content.decode().split(f'data-key-id="{key.pk}"', 1)[1].split("</tr>", 1)[0]
+    assert "Revoked" in row
+    with pytest.raises(AuthenticationError):
+        api_key_authenticate(raw_key=raw_key)
+
+
+def test_revoke_without_a_csrf_token_is_refused(world):
+    client = _client(world["owner"], enforce_csrf=True)
+
+    response = client.post(reverse("dashboard:key_revoke", args=["acme", world["key_a"].pk]))
+
+    assert response.status_code == 403
+    world["key_a"].refresh_from_db()
+    assert world["key_a"].revoked_at is None
+
+
+def test_overview_shows_limits_and_the_monthly_quota_remaining(world):
+    _record(key=world["key_a"], model="tiny-llama", prompt=200_000, completion=50_000)
+    _record(key=world["key_b"], model="globex-secret-model", prompt=9_000, completion=9_000)
+
+    html = _client(world["member"]).get(reverse("dashboard:overview", args=["acme"])).content.decode()
+
+    assert re.search(r'id="limit-rpm">.*?600<', html, re.S)
+    assert re.search(r'id="limit-tpm">.*?90,000<', html, re.S)
+    assert re.search(r'id="limit-concurrency">.*?8<', html, re.S)
+    assert '<strong id="quota-used">250,000</strong>' in html
+    assert '<strong id="quota-remaining">750,000</strong>' in html
+    assert 'style="width: 25%"' in html
+    assert "tiny-qwen" in html and "globex-secret-model" not in html
+
+
+def test_usage_page_charts_and_tables_per_day_and_per_model(world):
+    key = world["key_a"]
+    _record(key=key, model="tiny-llama", prompt=100, completion=20)
+    _record(key=key, model="tiny-qwen", prompt=300, completion=40)
+    _record(key=key, model="tiny-llama", prompt=10, completion=0, days_ago=2, status="error")
+    _record(key=key, model="tiny-llama", prompt=5_000, completion=5_000, days_ago=40)  # outside 30 days
+    _record(key=world["key_b"], model="globex-secret-model", prompt=777, completion=777)
+
+    response = _client(world["member"]).get(reverse("dashboard:usage", args=["acme"]))
+    html = response.content.decode()
+
+    assert response.status_code == 200
+    daily = json.loads(re.search(r'id="usage-daily-data" type="application/json">(.*?)</script>', html).group(1))
+    models = json.loads(re.search(r'id="usage-model-data" type="application/json">(.*?)</script>', html).group(1))
+    today = timezone.now().date()
+    assert len(daily) == 30
+    assert daily[-1] == {"day": today.isoformat(), "requests": 2, "prompt": 400, "completion": 60}
+    assert daily[-3] == {"day": (today - timedelta(days=2)).isoformat(), "requests": 1, "prompt": 10, "completion": 0}
+    assert sum(d["requests"] for d in daily) == 3
+    assert models == [
+        {"model": "tiny-qwen", "requests": 1, "prompt": 300, "completion": 40},
+        {"model": "tiny-llama", "requests": 2, "prompt": 110, "completion": 20},
+    ]
+    assert '<div class="stat-value" id="total-requests">3</div>' in html
+    assert "globex" not in html
+
+    ninety = _client(world["member"]).get(reverse("dashboard:usage", args=["acme"]) + "?days=90")
+    assert '<div class="stat-value" id="total-requests">4</div>' in ninety.content.decode()
+
+
+def test_playground_offers_the_tenant_models_and_the_websocket_path(world):
+    html = _client(world["member"]).get(reverse("dashboard:playground", args=["acme"])).content.decode()
+
+    options = re.findall(r'<option value="([^"]+)"', html.split('id="pg-model"', 1)[1].split("</select>", 1)[0])
+    assert options == ["tiny-llama", "tiny-qwen"]
+    assert 'data-ws-path="/ws/v1/chat"' in html
+
+
+def test_user_without_membership_sees_the_no_tenant_page(world):
+    response = _client(_user("nobody")).get(reverse("dashboard:home"))
+
+    assert response.status_code == 403
+    assert "No tenant yet" in response.content.decode()
+
+
+def test_logout_is_a_post_and_ends_the_session(world):
+    client = _client(world["member"])
+
+    response = client.post(reverse("dashboard:logout"))
+
+    assert response["Location"] == "/dashboard/login/"
+    assert client.get(reverse("dashboard:overview", args=["acme"])).status_code == 302
