@@ -1,0 +1,1 @@
+"""Triton kernels, one op per module, each with a plain-torch reference in kernels/reference.py."""

@@ -1,0 +1,106 @@
+"""Slow, obviously correct torch references for every kernel in this package.
+
+They loop over tokens and walk block tables one position at a time on purpose: kernel tests compare
+against them, and other backends (the plain-torch attention) may call them. Shapes:
+
+- KV cache, per layer: (num_blocks, block_size, num_kv_heads, head_dim); token position p of a
+  sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
+- Flattened (varlen) queries: (num_tokens, num_heads, head_dim); sequence i owns rows
+  query_start_loc[i]:query_start_loc[i + 1], which are its last query_len positions of seq_lens[i].
+- LoRA weights stacked by slot: lora_a (num_slots, rank, hidden), lora_b (num_slots, out_dim, rank);
+  slot_indices (num_tokens,) picks each token's slot, -1 meaning the base model (no LoRA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ref_store_kvcache(
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,) int: flat slot per token; negative = padding, skipped
+) -> None:
+    block_size = k_cache.shape[1]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = k[token]
+        v_cache[block, offset] = v[token]
+
+
+def ref_paged_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int
+    seq_lens: torch.Tensor,  # (num_seqs,) int: context length including the new tokens
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int
+    scale: float,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim), dtype of q
+    """Each new query attends to every cached position up to and including its own (causal).
+
+    The new tokens' K/V must already be in the cache. Softmax runs in float32.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[i], starts[i + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        # Gather this sequence's context position by position through its block table.
+        keys, values = [], []
+        for pos in range(seq_len):
+            block = int(block_tables[i, pos // block_size])
+            keys.append(k_cache[block, pos % block_size])  # (num_kv_heads, head_dim)
+            values.append(v_cache[block, pos % block_size])
+        k_seq = torch.stack(keys).float()  # (seq_len, num_kv_heads, head_dim)
+        v_seq = torch.stack(values).float()
+        context_len = seq_len - query_len
+        for j in range(query_len):
+            visible = context_len + j + 1  # causal: positions 0..context_len + j
+            for h in range(num_heads):
+                kv_head = h // group
+                scores = (k_seq[:visible, kv_head] @ q[q_start + j, h].float()) * scale  # (visible,)
+                probs = torch.softmax(scores, dim=0)
+                out[q_start + j, h] = probs @ v_seq[:visible, kv_head]
+    return out.to(q.dtype)
+
+
+def ref_lora_shrink(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    lora_a: torch.Tensor,  # (num_slots, rank, hidden)
+    slot_indices: torch.Tensor,  # (num_tokens,) int, -1 = no LoRA
+    scale: float | torch.Tensor,  # a float, or (num_slots,) per-slot scaling (alpha / rank)
+) -> torch.Tensor:  # (num_tokens, rank) float32, zero rows for base-model tokens
+    num_tokens = x.shape[0]
+    rank = lora_a.shape[1]
+    out = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
+    for token, slot in enumerate(slot_indices.tolist()):
+        if slot < 0:
+            continue
+        s = float(scale[slot]) if isinstance(scale, torch.Tensor) else float(scale)
+        out[token] = (lora_a[slot].float() @ x[token].float()) * s
+    return out
+
+
+def ref_lora_expand(
+    y: torch.Tensor,  # (num_tokens, out_dim), updated in place and returned
+    s: torch.Tensor,  # (num_tokens, rank), the shrink output
+    lora_b: torch.Tensor,  # (num_slots, out_dim, rank)
+    slot_indices: torch.Tensor,  # (num_tokens,) int, -1 = no LoRA (row left untouched)
+) -> torch.Tensor:
+    for token, slot in enumerate(slot_indices.tolist()):
+        if slot < 0:
+            continue
+        delta = lora_b[slot].float() @ s[token].float()  # (out_dim,)
+        y[token] = (y[token].float() + delta).to(y.dtype)
+    return y

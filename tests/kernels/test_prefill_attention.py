@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.prefill_attention import prefill_attention
+from kernels.reference import ref_paged_attention
+from tests.kernels.helpers import DEVICES, DTYPES, assert_close, make_paged_batch
+
+# (query_len, seq_len) per sequence of one mixed step:
+#   a one-token prompt, a fresh 15-token prompt, a 63-token chunk after 20 cached tokens (prefix hit
+#   or earlier chunk), a decode row over a 300-token context, and the last 15 tokens of a 300 prompt.
+MIXED = [(1, 1), (15, 15), (63, 83), (1, 300), (15, 300)]
+
+
+def _batch(pairs, *, group, dtype, device, head_dim=32, seed=0):
+    query_lens, seq_lens = zip(*pairs, strict=True)
+    return make_paged_batch(
+        list(query_lens),
+        list(seq_lens),
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+
+
+def _reference(batch, scale):
+    return ref_paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+    )
+
+
+def _prefill(batch, scale, **kwargs):
+    return prefill_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_matches_the_reference_on_a_mixed_batch(device, dtype, group):
+    batch = _batch(MIXED, group=group, dtype=dtype, device=device, seed=group)
+    scale = 32**-0.5
+
+    out = _prefill(batch, scale)
+
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    assert_close(out, _reference(batch, scale), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_300_token_prompt_from_scratch_is_causal_across_many_tiles(device):
+    batch = _batch([(300, 300)], group=4, dtype=torch.float32, device=device)
+
+    out = _prefill(batch, 0.2)
+
+    assert_close(out, _reference(batch, 0.2), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (16, 64), (64, 16)])
+def test_tile_sizes_do_not_change_the_result(device, block_m, block_n):
+    # Query tiles smaller than a chunk put the causal diagonal inside and across tiles.
+    batch = _batch([(63, 83), (1, 40), (33, 33)], group=4, dtype=torch.float32, device=device, seed=3)
+
+    out = _prefill(batch, 0.2, block_m=block_m, block_n=block_n)
+
+    assert_close(out, _reference(batch, 0.2), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_prefill_handles_head_dims_that_are_not_tile_sized(device, head_dim):
+    batch = _batch([(15, 40), (17, 17)], group=4, dtype=torch.bfloat16, device=device, head_dim=head_dim)
+    scale = head_dim**-0.5
+
+    out = _prefill(batch, scale)
+
+    assert_close(out, _reference(batch, scale), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_rows_get_the_same_answer_from_either_kernel(device):
+    batch = _batch([(1, 1), (1, 15), (1, 63), (1, 300)], group=4, dtype=torch.float32, device=device, seed=11)
+
+    via_prefill = _prefill(batch, 0.2)
+    via_decode = paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, 0.2, split_size=64
+    )
+
+    torch.testing.assert_close(via_prefill, via_decode, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_refuses_tiles_smaller_than_a_dot_and_mismatched_metadata():
+    q = torch.zeros(4, 8, 32)
+    cache = torch.zeros(4, 16, 2, 32)
+    seq_lens = torch.tensor([4], dtype=torch.int32)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_m"):
+        prefill_attention(
+            q, cache, cache, torch.tensor([0, 4], dtype=torch.int32), seq_lens, tables, 1.0, block_m=8
+        )
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention(q, cache, cache, torch.tensor([0, 2, 4], dtype=torch.int32), seq_lens, tables, 1.0)
