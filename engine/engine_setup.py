@@ -1,0 +1,138 @@
+"""Engine start-up: device, model, tokenizer, context length and KV-cache size, checked before serving."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.config import ConfigError, EngineConfig, SchedulerConfig
+from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.models import ModelConfig, ModelLoadError, load_model, load_model_config
+from engine.sampler import Sampler
+
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
+
+
+@dataclass(slots=True)
+class EngineSetup:
+    model_config: ModelConfig
+    tokenizer: Any
+    device: torch.device
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    num_blocks: int
+    runner: ModelRunner
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    root = Path(model_dir)
+    if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        raise ModelLoadError(f"{root}: no tokenizer (tokenizer.json or tokenizer.model) in the model directory")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError or its own types
+        raise ModelLoadError(f"{root}: the tokenizer could not be loaded ({exc})") from exc
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_model_len
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit}")
+        return config.max_model_len
+    return min(limit, config.scheduler.max_model_len)
+
+
+def _profile_gpu_num_blocks(config: EngineConfig, model, max_model_len: int, sampler: Sampler) -> int:
+    """Blocks that fit in gpu_memory_utilization of the device after a worst-case prefill forward."""
+    from engine.scheduler import ScheduledSequence, SchedulerOutput
+    from engine.sequence import Sequence
+
+    block_size = config.cache.block_size
+    n = min(config.scheduler.max_num_batched_tokens, max_model_len)
+    probe = ModelRunner(model, num_blocks=-(-n // block_size), block_size=block_size, max_model_len=max_model_len, sampler=sampler)
+    from engine.sampling_params import SamplingParams
+
+    seq = Sequence("profile", [0] * n, SamplingParams(max_tokens=1))
+    seq.block_table = list(range(-(-n // block_size)))
+    torch.cuda.reset_peak_memory_stats()
+    probe.run(SchedulerOutput([ScheduledSequence(seq, n)], n, [], []))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    probe_cache = sum(k.numel() * k.element_size() * 2 for k, _ in probe.kv_caches)
+    del probe
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # Memory held outside this process's allocator (other processes, the CUDA context) stays used.
+    used_elsewhere = total - free - torch.cuda.memory_reserved()
+    budget = total * config.cache.gpu_memory_utilization - used_elsewhere - (peak - probe_cache)
+    return int(budget // kv_cache_bytes_per_block(model, block_size))
+
+
+def resolve_num_blocks(
+    config: EngineConfig, model, device: torch.device, max_model_len: int, sampler: Sampler
+) -> int:
+    cache, sched = config.cache, config.scheduler
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = kv_cache_bytes_per_block(model, cache.block_size)
+    if cache.kv_cache_memory_bytes is not None or device.type != "cuda":
+        num_blocks = (cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+        # More blocks than every sequence at full length could fill only hold old prefixes; on
+        # CPU that memory is better left to the rest of the machine.
+        num_blocks = min(num_blocks, 2 * sched.max_num_seqs * -(-max_model_len // cache.block_size))
+    else:
+        num_blocks = _profile_gpu_num_blocks(config, model, max_model_len, sampler)
+    if num_blocks < 1:
+        raise ConfigError("the KV cache budget does not fit a single block; raise the memory budget")
+    return num_blocks
+
+
+def build_engine_setup(config: EngineConfig) -> EngineSetup:
+    model_config = load_model_config(config.model)  # refuses bad directories before any heavy work
+    tokenizer = load_tokenizer(config.model)
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    max_model_len = resolve_max_model_len(config, model_config)
+    scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+    backend = make_backend(config.attention_backend, device)
+    model = load_model(config.model, backend, dtype=config.dtype, device=device)
+    sampler = Sampler(model_config.eos_token_ids)
+    num_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
+    runner = ModelRunner(
+        model,
+        num_blocks=num_blocks,
+        block_size=config.cache.block_size,
+        max_model_len=max_model_len,
+        sampler=sampler,
+        enforce_eager=config.enforce_eager,
+        cuda_graph_batch_sizes=tuple(b for b in config.cuda_graph_batch_sizes if b <= scheduler_config.max_num_seqs),
+    )
+    return EngineSetup(model_config, tokenizer, device, max_model_len, scheduler_config, num_blocks, runner)

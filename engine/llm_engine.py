@@ -1,0 +1,247 @@
+"""The step-level engine: requests in, one scheduled forward per step(), per-request deltas out.
+
+This is what the offline LLM and the Redis worker drive. Everything about a request that arrives from
+outside is checked in add_request and refused with a typed error before any state changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_setup import EngineSetup, build_engine_setup
+from engine.errors import EngineError, InvalidRequestError
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.stop_checker import FINISH_LENGTH, OutputStream
+
+_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, FINISH_LENGTH: SequenceStatus.FINISHED_LENGTH}
+
+
+@dataclasses.dataclass(slots=True)
+class _Completion:
+    seq: Sequence
+    stream: OutputStream
+    text: str = ""
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Delta accumulated during the current step, reset after it is reported.
+    text_delta: str = ""
+    token_ids_delta: list[int] = dataclasses.field(default_factory=list)
+    logprobs_delta: list | None = None
+
+    def output(self) -> CompletionOutput:
+        out = CompletionOutput(
+            index=self.seq.index,
+            text=self.text,
+            token_ids=list(self.seq.output_token_ids),
+            text_delta=self.text_delta,
+            token_ids_delta=self.token_ids_delta,
+            logprobs_delta=self.logprobs_delta,
+            cumulative_logprob=self.cumulative_logprob,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.text_delta, self.token_ids_delta = "", []
+        self.logprobs_delta = None if self.seq.sampling_params.logprobs is None else []
+        return out
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    request_id: str
+    completions: list[_Completion]
+    num_prompt_tokens: int
+    arrival_time: float
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        setup: EngineSetup = build_engine_setup(config)
+        self.tokenizer = setup.tokenizer
+        self.model_config = setup.model_config
+        self.max_model_len = setup.max_model_len
+        self.eos_token_ids = list(setup.model_config.eos_token_ids)
+        self.device = setup.device
+        self.runner = setup.runner
+        self.scheduler = Scheduler(setup.scheduler_config, config.cache, setup.num_blocks)
+        # Adapter support plugs in here; until then a request naming an adapter is refused.
+        self.lora_manager = None
+        self._requests: dict[str, _Request] = {}
+        self._completions: dict[int, _Completion] = {}  # seq_id -> completion
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling_params: SamplingParams,
+        *,
+        tenant: str = "",
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: int = 0,
+    ) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams")
+        prompt = list(prompt_token_ids)
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if lora_id and self.lora_manager is None:
+            raise InvalidRequestError("LoRA adapters are not enabled on this engine")
+        now = time.time()
+        seqs = [
+            Sequence(
+                request_id,
+                prompt,
+                sampling_params,
+                index=i,
+                tenant=tenant,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_id=lora_id,
+                arrival_time=now,
+            )
+            for i in range(sampling_params.n)
+        ]
+        # The first add carries every size check; siblings are identical, so they cannot fail after it.
+        added: list[Sequence] = []
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+                added.append(seq)
+        except EngineError:
+            for seq in added:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, "abort")
+            raise
+        completions = [
+            _Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids)) for seq in seqs
+        ]
+        for c in completions:
+            c.logprobs_delta = None if sampling_params.logprobs is None else []
+            if sampling_params.logprobs is not None:
+                c.cumulative_logprob = 0.0
+            self._completions[c.seq.seq_id] = c
+        self._requests[request_id] = _Request(request_id, completions, len(prompt), now)
+        self.num_prompt_tokens += len(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        """Takes effect at the next step(), which frees the blocks and reports the request finished."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        touched: dict[str, None] = {}
+        for seq in sched_out.finished_aborted:
+            self._finish_completion(seq, "abort", None)
+            touched[seq.request_id] = None
+        if sched_out.scheduled:
+            self.num_steps += 1
+            try:
+                result = self.runner.run(sched_out)
+            except Exception as exc:  # a failed forward ends the requests in it, not the engine
+                return self._outputs(touched) + self._fail(sched_out, exc)
+            for seq in self.scheduler.update_from_output(sched_out, result.sampled_token_ids):
+                self._append(seq, result.logprobs.get(seq.seq_id))
+                touched[seq.request_id] = None
+        return self._outputs(touched)
+
+    def _append(self, seq: Sequence, logprobs) -> None:
+        c = self._completions[seq.seq_id]
+        token = seq.output_token_ids[-1]
+        self.num_generated_tokens += 1
+        step = c.stream.append_token(token, max_model_len_reached=seq.num_tokens >= self.max_model_len)
+        c.text += step.text
+        c.text_delta += step.text
+        c.token_ids_delta.append(token)
+        if logprobs is not None and c.logprobs_delta is not None:
+            c.logprobs_delta.append(logprobs)
+            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + logprobs.logprob
+        if step.finish_reason is not None:
+            self.scheduler.finish(seq, _STATUS[step.finish_reason], step.finish_reason)
+            self._finish_completion(seq, step.finish_reason, step.stop_reason)
+
+    def _finish_completion(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        c = self._completions.pop(seq.seq_id)
+        c.finish_reason, c.stop_reason = reason, stop_reason
+        self.runner.free(seq.seq_id)
+
+    def _fail(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        failed: dict[str, None] = {}
+        for item in sched_out.scheduled:
+            failed[item.seq.request_id] = None
+        for request_id in failed:
+            req = self._requests[request_id]
+            req.error = f"{type(exc).__name__}: {exc}"
+            for c in req.completions:
+                if c.finish_reason is None:
+                    self.scheduler.finish(c.seq, SequenceStatus.FINISHED_ERROR, "error")
+                    self._finish_completion(c.seq, "error", None)
+        return self._outputs(failed)
+
+    def _outputs(self, request_ids: dict[str, None]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request_id in request_ids:
+            req = self._requests[request_id]
+            finished = req.finished
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    outputs=[c.output() for c in req.completions],
+                    finished=finished,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.completions[0].seq.num_cached_tokens,
+                    error=req.error,
+                )
+            )
+            if finished:
+                del self._requests[request_id]
+        return outputs
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, int | float]:
+        stats = dict(self.scheduler.get_stats())
+        stats.update(
+            num_requests=len(self._requests),
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            block_size=self.config.cache.block_size,
+        )
+        if self.device.type == "cuda":
+            stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.device)
+        return stats

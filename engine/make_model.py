@@ -1,0 +1,180 @@
+"""Build small Hugging Face model directories with seeded random weights and a locally trained tokenizer.
+
+No model hub is reachable where the platform is tested, so test, benchmark and demo models are made here.
+The weights come from transformers' own model classes and are saved with ``save_pretrained`` exactly as a
+real checkpoint is, so the engine reads them through the same path that serves a downloaded model.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
+SPECIAL_TOKENS = [BOS, EOS, EOT, "<|start_header_id|>", "<|end_header_id|>", "<|pad|>"]
+
+# Llama-3 layout: a header per turn, each turn closed by <|eot_id|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSize:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+
+SIZES = {
+    "tiny": ModelSize(2048, 64, 2, 4, 2, 176, 2048),
+    "small": ModelSize(4096, 256, 4, 8, 4, 704, 4096),
+    "bench": ModelSize(8192, 512, 8, 8, 4, 1408, 4096),
+}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda"))
+
+
+def _training_files() -> list[str]:
+    # The interpreter's own standard library is on every machine; sorted for a deterministic corpus.
+    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on stdlib sources; cached on disk."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    files = _training_files()
+    digest = hashlib.sha256("\n".join([str(vocab_size), *SPECIAL_TOKENS, *map(os.path.basename, files)]).encode())
+    cached = _cache_dir() / f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}.json"
+    if cached.exists():
+        return Tokenizer.from_file(str(cached))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(files, trainer)
+    bos_id = tok.token_to_id(BOS)
+    # Llama 3 prepends <|begin_of_text|> when special tokens are requested.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, cached)  # atomic: parallel builders never read a half-written file
+    return tok
+
+
+def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: str, ids: dict[str, int]):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=size.hidden_size,
+        num_hidden_layers=size.num_layers,
+        num_attention_heads=size.num_heads,
+        num_key_value_heads=size.num_kv_heads,
+        intermediate_size=size.intermediate_size,
+        max_position_embeddings=size.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=ids["bos"],
+        eos_token_id=[ids["eos"], ids["eot"]],
+        pad_token_id=ids["pad"],
+        # Wider than the usual 0.02 so that random logits are well separated and greedy choices
+        # are not decided by rounding noise.
+        initializer_range=0.08,
+        dtype=dtype,
+    )
+    if arch == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": max(256, size.max_position_embeddings // 8),
+        }
+        return LlamaConfig(rope_parameters=rope, **common)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=None, rope_theta=1000000.0, **common)
+    if arch == "qwen2":
+        return Qwen2Config(rope_theta=1000000.0, use_sliding_window=False, **common)
+    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+
+
+def make_model(
+    out: str | os.PathLike[str],
+    *,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    tie_word_embeddings: bool = False,
+    max_shard_size: str | int | None = None,
+) -> Path:
+    """Write a complete model directory (config, safetensors, tokenizer, generation config) to ``out``."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2ForCausalLM,
+    )
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {tuple(SIZES)}")
+    spec = SIZES[size]
+    tok = train_tokenizer(spec.vocab_size)
+    ids = {k: tok.token_to_id(t) for k, t in (("bos", BOS), ("eos", EOS), ("eot", EOT), ("pad", "<|pad|>"))}
+    vocab_size = tok.get_vocab_size()
+    config = _hf_config(arch, spec, vocab_size, tie_word_embeddings, dtype, ids)
+    cls = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}[arch]
+    torch.manual_seed(seed)
+    model = cls(config).to(getattr(torch, dtype)).eval()
+    out_path = Path(out)
+    out_path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(out_path, safe_serialization=True, **kwargs)
+    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["eot"]], pad_token_id=ids["pad"]).save_pretrained(
+        out_path
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOT, pad_token="<|pad|>", chat_template=CHAT_TEMPLATE
+    )
+    hf_tok.save_pretrained(out_path)
+    _ensure_chat_template_in_config(out_path)
+    return out_path
+
+
+def _ensure_chat_template_in_config(out_path: Path) -> None:
+    # Loaders that only read tokenizer_config.json (older transformers, other engines) find it there too.
+    cfg_file = out_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if "chat_template" not in cfg:
+        cfg["chat_template"] = CHAT_TEMPLATE
+        cfg_file.write_text(json.dumps(cfg, indent=2))

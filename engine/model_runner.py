@@ -1,0 +1,227 @@
+"""One forward per step: flatten the scheduled sequences into a varlen batch, run the model, sample.
+
+The runner owns the paged KV cache (one (k, v) pair per layer) and, on CUDA, the decode CUDA graphs:
+a decode batch is padded up to the nearest captured size and replayed, the padding rows pointing at
+a scratch block past the pool so they never touch a real sequence's cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampler, TokenLogprobs, make_generator
+from engine.scheduler import ScheduledSequence, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # (num_tokens,)
+    positions: torch.Tensor  # (num_tokens,)
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # (num_sampled,) rows of the hidden states that sample
+    sampled: list[ScheduledSequence]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled_token_ids: dict[int, int]  # seq_id -> token
+    logprobs: dict[int, TokenLogprobs | None]
+
+
+def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
+    cfg = model.config
+    elem = model.model.embed_tokens.weight.element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        sampler: Sampler,
+        enforce_eager: bool = True,
+        cuda_graph_batch_sizes: tuple[int, ...] = (),
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.sampler = sampler
+        weight = model.model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        cfg = model.config
+        # One extra block: the scratch target of padded CUDA-graph rows. Zeroed, because the
+        # batched decode reads masked padding and 0 * NaN from uninitialised memory is NaN.
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+        self._generators: dict[int, torch.Generator | None] = {}
+        self.graphs: _DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager and cuda_graph_batch_sizes:
+            self.graphs = _DecodeGraphs(self, cuda_graph_batch_sizes)
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[ScheduledSequence] = []
+        for item in scheduled:
+            seq, start = item.seq, item.start_pos
+            end = start + item.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(end)
+            if item.needs_sample:
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(item)
+        width = max(-(-n // bs) for n in seq_lens)
+        tables = torch.zeros((len(scheduled), width), dtype=torch.int32)
+        for i, item in enumerate(scheduled):
+            row = item.seq.block_table[:width]
+            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
+            sampled=sampled,
+        )
+
+    # -- execution ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits (num_sampled, vocab_size) in float32 for the rows that sample."""
+        md = inputs.metadata
+        if self.graphs is not None and md.is_pure_decode and self.graphs.fits(md.num_seqs):
+            hidden = self.graphs.replay(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
+        seq = item.seq
+        if seq.seq_id not in self._generators:
+            seed = seq.sampling_params.seed
+            # Siblings of an n > 1 request must not draw identical samples from one seed.
+            self._generators[seq.seq_id] = make_generator(None if seed is None else seed + seq.index, self.device)
+        return self._generators[seq.seq_id]
+
+    def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if not scheduler_output.scheduled:
+            return RunnerOutput({}, {})
+        inputs = self.prepare(scheduler_output.scheduled)
+        logits = self.execute(inputs)
+        if not inputs.sampled:
+            return RunnerOutput({}, {})
+        seqs = [item.seq for item in inputs.sampled]
+        out = self.sampler.sample(
+            logits,
+            [s.sampling_params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [self._generator(item) for item in inputs.sampled],
+        )
+        ids = {s.seq_id: t for s, t in zip(seqs, out.token_ids, strict=True)}
+        logprobs = {s.seq_id: lp for s, lp in zip(seqs, out.logprobs, strict=True)}
+        return RunnerOutput(ids, logprobs)
+
+    def free(self, seq_id: int) -> None:
+        """Forget per-sequence state (the seeded generator) once a sequence has finished."""
+        self._generators.pop(seq_id, None)
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode forward, one per batch size, sharing one memory pool."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.sizes = sorted(set(batch_sizes))
+        max_bs, dev = self.sizes[-1], runner.device
+        max_blocks = -(-runner.max_model_len // runner.block_size)
+        scratch_block = runner.num_blocks
+        self.scratch_slot = scratch_block * runner.block_size
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((max_bs, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = None
+        for b in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
+            md = self._metadata(b)
+            model = runner.model
+            model(self.input_ids[:b], self.positions[:b], runner.kv_caches, md)  # warm-up: lazy init
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = model(self.input_ids[:b], self.positions[:b], runner.kv_caches, md)
+            pool = graph.pool()
+            self.graphs[b] = (graph, out)
+
+    def _metadata(self, b: int) -> AttentionMetadata:
+        # Host-side lengths are upper bounds: a captured graph cannot depend on per-step values.
+        max_len = self.runner.max_model_len
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            max_query_len=1,
+            max_seq_len=max_len,
+            query_lens_cpu=[1] * b,
+            seq_lens_cpu=[max_len] * b,
+        )
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.sizes[-1]
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        md = inputs.metadata
+        n = md.num_seqs
+        b = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(inputs.input_ids)
+        self.positions[:n].copy_(inputs.positions)
+        self.slot_mapping.fill_(self.scratch_slot)
+        self.slot_mapping[:n].copy_(md.slot_mapping)
+        self.seq_lens.fill_(1)
+        self.seq_lens[:n].copy_(md.seq_lens)
+        self.block_tables.fill_(self.runner.num_blocks)
+        self.block_tables[:n, : md.block_tables.shape[1]].copy_(md.block_tables)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]

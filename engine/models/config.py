@@ -1,0 +1,143 @@
+"""What the engine needs to know about a checkpoint, read from its config.json and generation_config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import EngineError
+
+# Architectures served by engine.models.llama; all share the Llama decoder layout.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelLoadError(EngineError):
+    """The model directory is missing, malformed, or does not match its own config."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint is well formed but uses an architecture or feature the engine does not implement."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    torch_dtype: str
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def max_model_len(self) -> int:
+        # A sliding window at least as long as the served context never slides, so the cap keeps
+        # full attention exact for Mistral-style checkpoints.
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path.parent}: missing {path.name}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers >= 5 writes rope_parameters (theta inside); older checkpoints (every Llama 3.1 on
+    # the hub) write rope_theta beside rope_scaling.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (supported: {_SUPPORTED_ROPE_TYPES})")
+    if rope_type == "default":
+        return theta, None
+    return theta, {**params, "rope_type": rope_type}
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse and check config.json (+ generation_config.json); raises ModelLoadError / UnsupportedModelError."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory {str(root)!r} does not exist")
+    raw = _read_json(root / "config.json")
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{root}: architecture {archs or raw.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{root}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        theta, scaling = _rope(raw)
+        window = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            window = None
+        cfg = ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            sliding_window=int(window) if window is not None else None,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{root}/config.json: missing or invalid field ({exc!r})") from exc
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ModelLoadError(f"{root}: num_attention_heads must be a multiple of num_key_value_heads")
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError(f"{root}: mlp_bias is not supported")
+    gen_path = root / "generation_config.json"
+    if gen_path.exists():
+        gen = _read_json(gen_path)
+        # generation_config.json is what generate() stops on (Llama 3 lists <|eot_id|> there).
+        cfg.eos_token_ids = _as_id_list(gen.get("eos_token_id")) or cfg.eos_token_ids
+        cfg.bos_token_id = gen.get("bos_token_id", cfg.bos_token_id)
+    return cfg

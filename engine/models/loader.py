@@ -1,0 +1,119 @@
+"""Load a Hugging Face model directory (single or sharded safetensors) into engine.models.llama, offline."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.models.config import ModelConfig, ModelLoadError, load_model_config
+from engine.models.llama import LlamaForCausalLM
+from engine.models.rope import rope_inv_freq
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$")
+# Buffers some exporters write; they are recomputed here.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: malformed index ({exc!r})") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards listed in the index are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found (.bin checkpoints are not loaded)")
+    return files
+
+
+def _fused_slot(cfg: ModelConfig, name: str) -> tuple[str, int, int] | None:
+    """(fused parameter name, row offset, rows) for a q/k/v or gate/up tensor, else None."""
+    m = _LAYER.match(name)
+    if m is None:
+        return None
+    layer, proj, kind = m.groups()
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    offsets = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+    }
+    fused, start, rows = offsets[proj]
+    return f"model.layers.{layer}.{fused}.{kind}", start, rows
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    cfg = model.config
+    params = dict(model.named_parameters())
+    # Every row of every parameter must be written exactly once; count rows per parameter.
+    filled = {name: 0 for name in params}
+    for path in safetensors_files(model_dir):
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({exc})") from exc
+        with handle as f:
+            for name in f.keys():
+                if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                tensor = f.get_tensor(name)
+                slot = _fused_slot(cfg, name)
+                target_name, start, rows = slot if slot else (name, 0, None)
+                if target_name not in params:
+                    raise ModelLoadError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
+                target = params[target_name].data
+                if rows is not None:
+                    target = target[start : start + rows]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ModelLoadError(
+                        f"{path.name}: {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                filled[target_name] += tensor.shape[0]
+    incomplete = [n for n, p in params.items() if filled[n] != p.shape[0]]
+    if incomplete:
+        raise ModelLoadError(f"{model_dir}: checkpoint is missing or duplicates weights for {incomplete[:5]}")
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    name = cfg.torch_dtype if requested == "auto" else requested
+    if name not in ("float32", "bfloat16", "float16"):
+        name = "float32"
+    # Half-precision matmuls on CPU are slow and, for float16, lossy; auto keeps CPU in float32.
+    if requested == "auto" and device.type == "cpu" and name == "float16":
+        name = "float32"
+    return getattr(torch, name)
+
+
+def load_model(
+    model_dir: str | Path, backend: AttentionBackend, *, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """Build the model from config.json on ``device`` and fill it from the safetensors files."""
+    root = Path(model_dir)
+    cfg = load_model_config(root)
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, dev)
+    # Parameters are created on the meta device so no time is spent on random init of weights that
+    # are overwritten right away.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend)
+    model = model.to_empty(device=dev).to(torch_dtype)
+    # The rotary buffer was left empty on meta; frequencies stay float32 whatever the weights' dtype.
+    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
+    load_weights(model, root)
+    return model.eval()

@@ -1,0 +1,39 @@
+"""What the engine hands back each step: per request, per completion, the full state and the delta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # 0..n-1 within the request
+    text: str  # everything streamed so far
+    token_ids: list[int]
+    # New since the previous step that reported this request: what a streaming client receives.
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+    logprobs_delta: list[TokenLogprobs] | None = None  # one entry per new token, when logprobs were asked
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

@@ -1,0 +1,200 @@
+"""Wire messages between the web tier and engine workers, over Redis. Versioned JSON, never pickle.
+
+This is the only engine module the Django side imports.
+
+Redis layout (every key starts with the deployment's prefix, e.g. "pagoda:"):
+- `{prefix}requests:{model}`     stream of GenerateRequest, consumer group `engines`; several replicas
+                                 of one model share it; a request is acked when it has finished.
+- `{prefix}out:{request_id}`     stream of events for one request (delta, finished, error), with a TTL;
+                                 replayable, so a late or reconnecting reader loses nothing.
+- `{prefix}cancel:{model}`       stream of request ids to abort; every replica reads all of it.
+- `{prefix}engines:{model}`      sorted set of replica ids scored by their last heartbeat (unix time).
+- `{prefix}engine:{model}:{replica_id}`  JSON stats of one replica, with a TTL.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+CONSUMER_GROUP = "engines"
+
+
+class ProtocolError(ValueError):
+    """A message on the wire is malformed or of an unknown version."""
+
+
+def requests_stream(prefix: str, model: str) -> str:
+    return f"{prefix}requests:{model}"
+
+
+def output_stream(prefix: str, request_id: str) -> str:
+    return f"{prefix}out:{request_id}"
+
+
+def cancel_stream(prefix: str, model: str) -> str:
+    return f"{prefix}cancel:{model}"
+
+
+def replicas_key(prefix: str, model: str) -> str:
+    return f"{prefix}engines:{model}"
+
+
+def replica_stats_key(prefix: str, model: str, replica_id: str) -> str:
+    return f"{prefix}engine:{model}:{replica_id}"
+
+
+def cancel_message(request_id: str) -> dict[str, str]:
+    """An entry of the cancel stream: the web tier adds one when the client of a request goes away."""
+    return {"request_id": request_id}
+
+
+def cancel_request_id(fields: dict) -> str | None:
+    """The request id of a cancel-stream entry, or None when the entry carries none."""
+    value = fields.get(b"request_id", fields.get("request_id"))
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value or None
+
+
+@dataclass(slots=True)
+class LoRARef:
+    name: str  # unique within the tenant; the engine keys its slots by (tenant, name, version)
+    path: str  # directory with adapter_config.json and adapter_model.safetensors
+    version: str = ""  # changes when the adapter is re-uploaded
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]  # engine.sampling_params.SamplingParams.to_dict()
+    tenant: str = ""
+    priority: int = 0
+    cache_salt: str | None = None  # assigned by the server (the tenant), never from the request body
+    lora: LoRARef | None = None
+    created_at: float = 0.0  # unix time the web tier queued it
+    v: int = PROTOCOL_VERSION
+
+    def encode(self) -> dict[bytes | str, bytes | str]:
+        return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict) -> GenerateRequest:
+        raw = _data_field(fields)
+        if raw.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError(f"unsupported protocol version {raw.get('v')!r}")
+        lora = raw.pop("lora", None)
+        try:
+            request = cls(**raw, lora=LoRARef(**lora) if lora else None)
+        except TypeError as exc:
+            raise ProtocolError(f"malformed generate request: {exc}") from exc
+        if not request.request_id or not isinstance(request.prompt_token_ids, list):
+            raise ProtocolError("generate request needs a request_id and prompt_token_ids")
+        return request
+
+
+@dataclass(slots=True)
+class DeltaOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    # One entry per new token: {"token_id", "logprob", "top": [[token_id, logprob], ...]}.
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(slots=True)
+class FinishedOutput:
+    index: int
+    finish_reason: str  # stop | length | abort | error
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Event:
+    """One entry of a request's output stream."""
+
+    type: str  # delta | finished | error
+    outputs: list[dict[str, Any]] = field(default_factory=list)  # DeltaOutput / FinishedOutput dicts
+    usage: dict[str, int] | None = None  # on finished (and on error when tokens were produced)
+    message: str | None = None  # on error
+    code: str | None = None  # on error: engine_error, request_too_large, engine_unavailable, ...
+    replica: str | None = None
+    v: int = PROTOCOL_VERSION
+
+    @classmethod
+    def delta(cls, outputs: list[DeltaOutput]) -> Event:
+        return cls(type="delta", outputs=[asdict(o) for o in outputs])
+
+    @classmethod
+    def finished(cls, outputs: list[FinishedOutput], usage: Usage) -> Event:
+        return cls(type="finished", outputs=[asdict(o) for o in outputs], usage=asdict(usage))
+
+    @classmethod
+    def error(cls, message: str, code: str, usage: Usage | None = None) -> Event:
+        return cls(type="error", message=message, code=code, usage=asdict(usage) if usage else None)
+
+    def encode(self) -> dict[str, str]:
+        return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict) -> Event:
+        raw = _data_field(fields)
+        if raw.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError(f"unsupported protocol version {raw.get('v')!r}")
+        try:
+            event = cls(**raw)
+        except TypeError as exc:
+            raise ProtocolError(f"malformed event: {exc}") from exc
+        if event.type not in ("delta", "finished", "error"):
+            raise ProtocolError(f"unknown event type {event.type!r}")
+        return event
+
+
+def _data_field(fields: dict) -> dict[str, Any]:
+    data = fields.get(b"data", fields.get("data"))
+    if data is None:
+        raise ProtocolError("message has no data field")
+    try:
+        raw = json.loads(data)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"message is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ProtocolError("message is not a JSON object")
+    return raw
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    replica_id: str
+    model: str
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    loras_loaded: list[str] = field(default_factory=list)
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    v: int = PROTOCOL_VERSION
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> ReplicaStats:
+        try:
+            return cls(**json.loads(data))
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed replica stats: {exc}") from exc

@@ -1,0 +1,151 @@
+"""Per-request sampling parameters, with vLLM's names and defaults and OpenAI's ranges.
+
+They arrive over the wire (the web tier ships them to the engine as JSON), so every field is
+checked on construction and a bad one raises `SamplingParamsError` naming the field, which the
+API reports as OpenAI's `param`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Below this temperature sampling is argmax: dividing logits by ~0 would only overflow.
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
+MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
+MAX_N = 128  # OpenAI's limit on `n`
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is missing, of the wrong type or out of range."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    # bool is an int subclass; `max_tokens=True` is a client bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise SamplingParamsError(name, f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+    value = float(value)
+    if value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise SamplingParamsError(name, f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SamplingParamsError(name, f"{name} must be a boolean, got {value!r}")
+    return value
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off (stored as 0)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    # Top logprobs per output token, 0..20; 0 returns only the sampled token's logprob.
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n, lo=1, hi=MAX_N)
+        self.temperature = _check_float("temperature", self.temperature, 0.0, 2.0)
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.top_k = _check_int("top_k", self.top_k, lo=-1)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        # As vLLM: any positive value (1 is off; > 1 discourages repeats, < 1 encourages them).
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True
+        )
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+        self.stop = self._checked_stop(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers")
+        self.stop_token_ids = [_check_int("stop_token_ids", t, lo=0) for t in self.stop_token_ids]
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, lo=1)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _check_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+
+    @staticmethod
+    def _checked_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise SamplingParamsError("stop", "stop must be a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                "stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
+            )
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError("stop", f"each stop string must be a non-empty string, got {s!r}")
+        return list(stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict of every field (lists copied, so the caller may mutate it)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, list) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Inverse of to_dict; missing fields take their defaults, unknown ones are refused."""
+        if not isinstance(data, dict):
+            raise SamplingParamsError("sampling_params", "sampling params must be an object")
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise SamplingParamsError(str(key), f"unknown sampling parameter {key!r}")
+        return cls(**data)

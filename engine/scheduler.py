@@ -1,0 +1,333 @@
+"""Iteration-level scheduling: one token budget per step shared by decodes and prefill chunks.
+
+Running sequences are served first, most important first (lower priority number, then earlier
+arrival); when blocks run out the least important running sequence is preempted by recompute. Then
+waiting sequences are admitted in priority order, round-robin across tenants within a priority.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, SchedulerConfig
+from engine.errors import EngineError, RequestTooLargeError
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # a prefill chunk, or 1 for a decode
+    # Snapshotted at schedule time: positions [start_pos, start_pos + num_new_tokens) are computed.
+    start_pos: int = field(init=False)
+    # True when this step computes the sequence's last token, so the runner must sample for it.
+    needs_sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start_pos = self.seq.num_computed_tokens
+        self.needs_sample = self.start_pos + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    num_batched_tokens: int
+    preempted: list[Sequence]
+    finished_aborted: list[Sequence]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _rank(seq: Sequence) -> tuple[int, float, int]:
+    """Most important first: the victim of a preemption is the sequence with the largest rank."""
+    return (seq.priority, seq.arrival_time, seq.seq_id)
+
+
+class _Level:
+    __slots__ = ("resumed", "tenants")
+
+    def __init__(self) -> None:
+        # Preempted sequences and released siblings: their request was already admitted once.
+        self.resumed: deque[Sequence] = deque()
+        # Round-robin order of tenants with new requests; FIFO within a tenant.
+        self.tenants: OrderedDict[str, deque[Sequence]] = OrderedDict()
+
+
+class WaitingQueue:
+    """Waiting sequences in admission order: by priority; within a priority, resumed sequences
+    first, then one request per tenant in turn, so a tenant's backlog never delays another
+    tenant's request by more than one admission round."""
+
+    def __init__(self) -> None:
+        self._levels: dict[int, _Level] = {}
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for p in sorted(self._levels):
+            level = self._levels[p]
+            yield from level.resumed
+            for q in level.tenants.values():
+                yield from q
+
+    def push(self, seq: Sequence, *, resumed: bool = False, first: bool = False) -> None:
+        level = self._levels.setdefault(seq.priority, _Level())
+        q = level.resumed if resumed else level.tenants.setdefault(seq.tenant, deque())
+        q.appendleft(seq) if first else q.append(seq)
+        self._len += 1
+
+    def peek(self) -> Sequence | None:
+        if not self._levels:
+            return None
+        level = self._levels[min(self._levels)]
+        return level.resumed[0] if level.resumed else next(iter(level.tenants.values()))[0]
+
+    def pop(self) -> Sequence:
+        p = min(self._levels)
+        level = self._levels[p]
+        if level.resumed:
+            seq = level.resumed.popleft()
+        else:
+            tenant, q = next(iter(level.tenants.items()))
+            seq = q.popleft()
+            if q:
+                level.tenants.move_to_end(tenant)  # this tenant had its turn
+            else:
+                del level.tenants[tenant]
+        self._drop_if_empty(p)
+        self._len -= 1
+        return seq
+
+    def remove(self, seq: Sequence) -> bool:
+        level = self._levels.get(seq.priority)
+        if level is None:
+            return False
+        for q in (level.resumed, level.tenants.get(seq.tenant, ())):
+            if seq in q:
+                q.remove(seq)
+                if not level.tenants.get(seq.tenant, True):
+                    del level.tenants[seq.tenant]
+                self._drop_if_empty(seq.priority)
+                self._len -= 1
+                return True
+        return False
+
+    def _drop_if_empty(self, priority: int) -> None:
+        level = self._levels[priority]
+        if not level.resumed and not level.tenants:
+            del self._levels[priority]
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting = WaitingQueue()
+        self.running: list[Sequence] = []  # kept sorted by _rank
+        # Siblings (index > 0) of a parallel-sampling request, held until index 0's prompt is
+        # computed so that they share its cached blocks instead of computing them again.
+        self._held: dict[str, list[Sequence]] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences by request id
+        self._pending_aborts: dict[str, None] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        cfg, bm = self.config, self.block_manager
+        if seq.num_prompt_tokens > cfg.max_model_len:
+            raise RequestTooLargeError(
+                f"the prompt has {seq.num_prompt_tokens} tokens, more than max_model_len={cfg.max_model_len}"
+            )
+        max_tokens = seq.max_tokens
+        max_len = cfg.max_model_len if max_tokens is None else min(seq.num_tokens + max_tokens, cfg.max_model_len)
+        if bm.num_blocks_for(max_len) > bm.num_total_blocks:
+            raise RequestTooLargeError(
+                f"prompt plus max_tokens ({max_len} tokens) needs {bm.num_blocks_for(max_len)} KV cache "
+                f"blocks but the engine has {bm.num_total_blocks} of {bm.block_size} tokens"
+            )
+        siblings = self._requests.setdefault(seq.request_id, [])
+        if any(s.index == seq.index for s in siblings):
+            raise EngineError(f"request {seq.request_id!r} already has a sequence with index {seq.index}")
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        siblings.append(seq)
+        head = next((s for s in siblings if s.index == 0), None)
+        if seq.index > 0 and head is not None and head.num_computed_tokens < head.num_prompt_tokens:
+            self._held.setdefault(seq.request_id, []).append(seq)
+        else:
+            self.waiting.push(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Mark a request aborted; the next schedule() frees its blocks and reports it."""
+        if request_id not in self._requests:
+            return False
+        self._pending_aborts[request_id] = None
+        return True
+
+    def finish(self, seq: Sequence, status: SequenceStatus, reason: str) -> None:
+        assert status.is_finished, status
+        if seq.is_finished:  # already aborted: nothing left to release
+            return
+        self._discard(seq)
+        seq.status, seq.finish_reason = status, reason
+
+    def _discard(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif not self.waiting.remove(seq):
+            self._held[seq.request_id].remove(seq)
+            if not self._held[seq.request_id]:
+                del self._held[seq.request_id]
+        self.block_manager.free(seq)
+        siblings = self._requests[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self._requests[seq.request_id]
+            self._pending_aborts.pop(seq.request_id, None)
+        elif seq.index == 0:
+            self._release_siblings(seq.request_id)  # nothing left to wait for
+
+    def _release_siblings(self, request_id: str) -> None:
+        for seq in self._held.pop(request_id, ()):
+            self.waiting.push(seq, resumed=True)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
+        """Tokens to compute this step, or 0 when the sequence must wait for a bigger budget."""
+        if num_uncomputed <= budget:
+            return num_uncomputed
+        threshold = self.config.long_prefill_token_threshold
+        if self.config.enable_chunked_prefill or (threshold > 0 and num_uncomputed >= threshold):
+            return budget
+        return 0
+
+    def schedule(self) -> SchedulerOutput:
+        aborted = self._process_aborts()
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+
+        # Running sequences, most important first; the victims come from the tail, which has
+        # not been scheduled yet, so nothing already granted this step is taken back.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not bm.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, num_new)
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admitting while preempting would only evict what was just admitted on the next step.
+        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            computed = bm.get_computed_blocks(seq)
+            num_hit = len(computed) * self.block_size
+            num_new = self._num_new_tokens(seq.num_tokens - num_hit, budget)
+            # Strict order: a big request at the head is never overtaken, so it cannot starve.
+            if num_new == 0 or not bm.can_allocate(seq, num_new, computed):
+                break
+            self.waiting.pop()
+            bm.allocate(seq, num_new, computed)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_rank)
+            scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted=preempted,
+            finished_aborted=aborted,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop its KV, keep its outputs, requeue it ahead of new work."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(seq, resumed=True, first=True)
+
+    def _process_aborts(self) -> list[Sequence]:
+        aborted: list[Sequence] = []
+        for request_id in list(self._pending_aborts):
+            for seq in list(self._requests.get(request_id, ())):
+                self._discard(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, "abort"
+                aborted.append(seq)
+        self._pending_aborts.clear()
+        return aborted
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[int, int]) -> list[Sequence]:
+        """Advance the scheduled sequences past this step; return those that received a token."""
+        bm = self.block_manager
+        sampled: list[Sequence] = []
+        for item in scheduler_output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:  # finished between schedule and update
+                continue
+            assert seq.num_computed_tokens == item.start_pos, "update_from_output must follow its own schedule()"
+            seq.num_computed_tokens += item.num_new_tokens
+            bm.cache_full_blocks(seq)
+            if item.needs_sample:
+                seq.append_token(sampled_token_ids[seq.seq_id])
+                sampled.append(seq)
+            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._release_siblings(seq.request_id)
+        return sampled
+
+    def compute_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        return self.block_manager.compute_slot_mapping(seq, start, end)
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(held) for held in self._held.values())
+
+    def get_stats(self) -> dict[str, int | float]:
+        bm = self.block_manager
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_total_blocks,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_hit_rate": bm.prefix_cache_stats()["hit_rate"],
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,162 @@
+"""``python -m engine serve`` (also ``python -m engine.serve``): run one engine replica of one model.
+
+Loads the model, then serves its Redis request stream until SIGTERM or SIGINT, which drain: nothing
+new is taken, running requests finish, the heartbeat is removed, and the exit status is 0. A second
+signal stops at once (requests that streamed get an error event; the others are handed back).
+Exit status 1 means the engine failed; a process supervisor is expected to restart it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Sequence
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from engine.worker.settings import WorkerSettings
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '2GiB', '1.5GB'."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]i?)?b?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The serve options; pass a subparser to mount them under ``python -m engine serve``."""
+    parser = parser or argparse.ArgumentParser(prog="python -m engine serve", description=__doc__.splitlines()[0])
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-dir", required=True, help="Hugging Face model directory")
+    model.add_argument("--served-name", required=True, help="the name clients put in `model`")
+    model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    model.add_argument("--max-model-len", type=int, default=None)
+    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    cache = parser.add_argument_group("KV cache and scheduling")
+    size = cache.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None)
+    size.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes, or e.g. 512MiB")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument("--no-prefix-caching", action="store_true")
+    cache.add_argument("--max-num-seqs", type=int, default=128)
+    cache.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    redis_opts = parser.add_argument_group("Redis")
+    redis_opts.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        required="REDIS_URL" not in os.environ,
+        help="default: $REDIS_URL (keeps a password off the command line)",
+    )
+    redis_opts.add_argument("--redis-prefix", default="pagoda:")
+    redis_opts.add_argument("--replica-id", default="", help="default: host-pid-random")
+    redis_opts.add_argument("--claim-timeout-ms", type=int, default=15_000)
+    redis_opts.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    redis_opts.add_argument("--heartbeat-ttl", type=float, default=5.0, help="seconds")
+    redis_opts.add_argument("--output-ttl", type=int, default=600, help="seconds an output stream lives")
+    redis_opts.add_argument("--max-held", type=int, default=0, help="requests taken at once; 0: 2 x max-num-seqs")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    max_model_len = args.max_model_len or 2048
+    return EngineConfig(
+        model=args.model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+        ),
+    )
+
+
+def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    return WorkerSettings(
+        model=args.served_name,
+        prefix=args.redis_prefix,
+        replica_id=args.replica_id,
+        claim_timeout_ms=args.claim_timeout_ms,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        output_ttl_s=args.output_ttl,
+        max_held=args.max_held or 2 * args.max_num_seqs,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import redis
+
+    from engine.worker.loop import EngineWorker
+    from engine.worker.queue import RequestQueue
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("engine.serve")
+    try:
+        config = engine_config_from_args(args)
+        settings = worker_settings_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    # Installed before the (slow) model load, so a stop during loading is honoured once it is done.
+    stop_requests: list[int] = []
+    worker: EngineWorker | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop_requests.append(signum)
+        if worker is not None:
+            worker.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(config)
+    client = redis.Redis.from_url(args.redis_url, decode_responses=False)
+    queue = RequestQueue(
+        client,
+        prefix=settings.prefix,
+        model=settings.model,
+        replica_id=settings.replica_id,
+        output_ttl_s=settings.output_ttl_s,
+        heartbeat_ttl_s=settings.heartbeat_ttl_s,
+    )
+    worker = EngineWorker(engine, queue, settings)
+    for _ in stop_requests:
+        worker.request_stop()
+    log.info("serving %s from %s as replica %s", settings.model, args.model_dir, settings.replica_id)
+    status = worker.run()
+    log.info("replica %s stopped (exit status %d)", settings.replica_id, status)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

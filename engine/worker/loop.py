@@ -1,0 +1,300 @@
+"""One engine replica's loop: take requests from its model's stream, step the engine, stream events back.
+
+Per iteration: apply cancels, (re)claim requests, take new ones (a bounded blocking read only when
+the engine is idle), one engine step, then one pipeline with every event of the step and the acks
+of the requests that ended. Delivery is at-least-once; what keeps a reader from seeing an answer
+twice is that a reclaimed request which had already streamed is failed, never run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
+from engine.protocol import Event, GenerateRequest, ProtocolError, ReplicaStats, Usage
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.worker.outputs import HeldRequest, events_for_output
+from engine.worker.queue import RequestQueue
+from engine.worker.settings import WorkerSettings
+
+logger = logging.getLogger("engine.worker")
+
+EXIT_OK = 0
+EXIT_ENGINE_FAILED = 1
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, queue: RequestQueue, settings: WorkerSettings) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.settings = settings
+        self.max_held = settings.max_held or 256
+        self._held: dict[str, HeldRequest] = {}
+        self._cancelled: dict[str, float] = {}  # cancels of requests not (yet) held here -> when seen
+        self._events: list[tuple[str, Event]] = []
+        self._acks: list[bytes] = []
+        self._stopping = False
+        self._force_stop = False
+        self._started_at = time.time()
+
+    # --- control --------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """First call: drain (take nothing new, finish what runs). Second call: stop now."""
+        if self._stopping:
+            self._force_stop = True
+        self._stopping = True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def run(self) -> int:
+        self.queue.ensure_group()
+        self.queue.start_cancels(self.settings.cancel_lookback_s)
+        for message_id, fields, deliveries in self.queue.read_own_pending(self.max_held):
+            self._take(message_id, fields, reclaimed=True, deliveries=deliveries)
+        self._flush()
+        self._heartbeat()
+        now = time.monotonic()
+        next_touch = now + self.settings.touch_interval_s
+        next_reclaim = now
+        next_heartbeat = now + self.settings.heartbeat_interval_s
+        try:
+            while True:
+                if self._force_stop:
+                    self._fail_all("engine_shutdown", "the engine replica was stopped")
+                    return EXIT_OK
+                if self._stopping and not self._held:
+                    return EXIT_OK
+                now = time.monotonic()
+                if not self._stopping and now >= next_reclaim:
+                    self._reclaim()
+                    next_reclaim = now + self.settings.reclaim_interval_s
+                if not self._stopping:
+                    self._read_requests(block=not self.engine.has_unfinished_requests())
+                # After the reads: a request cancelled while this replica blocked on the stream is
+                # aborted before its first step.
+                self._apply_cancels()
+                if self.engine.has_unfinished_requests():
+                    try:
+                        outputs = self.engine.step()
+                    except Exception:
+                        logger.exception("engine step failed; failing the requests in flight")
+                        self._fail_all("engine_error", "the engine failed while running this request")
+                        return EXIT_ENGINE_FAILED
+                    self._collect(outputs)
+                elif self._stopping:
+                    # Draining with an idle engine: the read above did not block, so wait briefly
+                    # instead of spinning on the cancel stream.
+                    time.sleep(0.01)
+                self._flush()
+                now = time.monotonic()
+                if now >= next_touch:
+                    self._touch()
+                    next_touch = now + self.settings.touch_interval_s
+                if now >= next_heartbeat:
+                    self._heartbeat()
+                    next_heartbeat = now + self.settings.heartbeat_interval_s
+        finally:
+            self._flush()
+            self._shutdown_redis()
+
+    # --- taking requests ------------------------------------------------------------------------
+
+    def _read_requests(self, *, block: bool) -> None:
+        room = self.max_held - len(self._held)
+        if room <= 0:
+            return
+        entries = self.queue.read_new(room, self.settings.idle_block_ms if block else None)
+        for message_id, fields in entries:
+            self._take(message_id, fields)
+
+    def _reclaim(self) -> None:
+        room = self.max_held - len(self._held)
+        if room <= 0:
+            return
+        for message_id, fields, deliveries in self.queue.autoclaim(self.settings.claim_timeout_ms, room):
+            logger.info("reclaimed request entry %s (delivery %d)", message_id, deliveries)
+            self._take(message_id, fields, reclaimed=True, deliveries=deliveries)
+
+    def _take(self, message_id: bytes, fields: dict, *, reclaimed: bool = False, deliveries: int = 1) -> None:
+        try:
+            request = GenerateRequest.decode(fields)
+        except ProtocolError as exc:
+            request_id = _request_id_of(fields)
+            logger.warning("malformed request entry %s (request %r): %s", message_id, request_id, exc)
+            if request_id:
+                self._events.append((request_id, Event.error(str(exc), "invalid_request")))
+            self._acks.append(message_id)
+            return
+        if request.request_id in self._held:
+            # A second delivery of a request already running here (its entry was re-added).
+            self._acks.append(message_id)
+            return
+        if reclaimed and self._settled_elsewhere(request, message_id, deliveries):
+            return
+        held = HeldRequest(
+            request_id=request.request_id,
+            message_id=message_id,
+            n=int(request.sampling_params.get("n", 1)) if isinstance(request.sampling_params, dict) else 1,
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
+        if self._cancelled.pop(request.request_id, None) is not None:
+            self._end(held, held.aborted_event())
+            return
+        error = self._add_to_engine(request)
+        if error is not None:
+            self._end(held, error)
+            return
+        self._held[request.request_id] = held
+
+    def _settled_elsewhere(self, request: GenerateRequest, message_id: bytes, deliveries: int) -> bool:
+        """For a reclaimed request: answer it from what its output stream shows, when that is needed."""
+        try:
+            seen = self.queue.read_output(request.request_id)
+        except ProtocolError:
+            seen = [Event(type="error")]  # unreadable output: never stream a second answer into it
+        if any(e.type in ("finished", "error") for e in seen):
+            self._acks.append(message_id)
+            return True
+        produced = sum(len(o.get("token_ids", ())) for e in seen if e.type == "delta" for o in e.outputs)
+        usage = Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=produced)
+        if any(e.type == "delta" for e in seen):
+            # Running it again would stream its text a second time to a reader that already has part.
+            event = Event.error("the engine replica serving this request stopped", "engine_failed", usage)
+        elif deliveries > self.settings.max_deliveries:
+            event = Event.error(f"the request failed on {deliveries - 1} engine replicas", "engine_failed", usage)
+        else:
+            return False
+        self._events.append((request.request_id, event))
+        self._acks.append(message_id)
+        return True
+
+    def _add_to_engine(self, request: GenerateRequest) -> Event | None:
+        """Adds the request to the engine; an error event when the engine refuses it."""
+        if request.lora is not None:
+            return Event.error("this engine replica does not serve LoRA adapters", "lora_unavailable")
+        try:
+            params = SamplingParams.from_dict(request.sampling_params)
+            self.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                params,
+                tenant=request.tenant,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+        except RequestTooLargeError as exc:
+            return Event.error(str(exc), "request_too_large")
+        except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as exc:
+            return Event.error(str(exc), "invalid_request")
+        except EngineError as exc:
+            return Event.error(str(exc), "engine_error")
+        return None
+
+    # --- cancels, outputs -----------------------------------------------------------------------
+
+    def _apply_cancels(self) -> None:
+        now = time.monotonic()
+        for request_id in self.queue.read_cancels():
+            held = self._held.pop(request_id, None)
+            if held is None:
+                self._cancelled[request_id] = now
+                continue
+            self.engine.abort_request(request_id)
+            self._end(held, held.aborted_event(), already_popped=True)
+        horizon = now - self.settings.cancel_lookback_s
+        for request_id in [r for r, t in self._cancelled.items() if t < horizon]:
+            del self._cancelled[request_id]
+
+    def _collect(self, outputs: list[Any]) -> None:
+        for output in outputs:
+            held = self._held.get(output.request_id)
+            if held is None:
+                continue  # aborted or lost this step; its end was already written or is not ours
+            events = events_for_output(held, output)
+            self._events.extend((held.request_id, e) for e in events)
+            if events and events[-1].type in ("finished", "error"):
+                del self._held[held.request_id]
+                self._acks.append(held.message_id)
+
+    def _end(self, held: HeldRequest, event: Event, *, already_popped: bool = False) -> None:
+        if not already_popped:
+            self._held.pop(held.request_id, None)
+        self._events.append((held.request_id, event))
+        self._acks.append(held.message_id)
+
+    def _flush(self) -> None:
+        events, acks = self._events, self._acks
+        self._events, self._acks = [], []
+        for _, event in events:
+            if event.type != "delta":  # which replica answered, for logs and tests; not on every token
+                event.replica = self.settings.replica_id
+        self.queue.publish(events, acks)
+
+    def _fail_all(self, code: str, message: str) -> None:
+        """Give up on every held request: a reader that saw output gets an error, the rest are handed back."""
+        release: list[bytes] = []
+        for held in list(self._held.values()):
+            if held.has_streamed:
+                self._end(held, Event.error(message, code, held.usage()))
+            else:
+                release.append(held.message_id)
+            try:
+                self.engine.abort_request(held.request_id)
+            except Exception:  # the engine is already broken; the process is about to exit
+                pass
+        self._held.clear()
+        self._flush()
+        self.queue.release(release)
+
+    # --- liveness -------------------------------------------------------------------------------
+
+    def _touch(self) -> None:
+        by_message = {held.message_id: held for held in self._held.values()}
+        owned = self.queue.touch(list(by_message))
+        for message_id, held in by_message.items():
+            if message_id not in owned:
+                # Another replica reclaimed it while this one stalled; it answers it now.
+                logger.warning("request %s was reclaimed by another replica; dropping it", held.request_id)
+                self._held.pop(held.request_id, None)
+                self.engine.abort_request(held.request_id)
+
+    def stats(self) -> ReplicaStats:
+        raw = self.engine.get_stats()
+        return ReplicaStats(
+            replica_id=self.settings.replica_id,
+            model=self.settings.model,
+            num_running=int(raw.get("num_running", 0)),
+            num_waiting=int(raw.get("num_waiting", 0)),
+            kv_cache_usage=float(raw.get("kv_cache_usage", 0.0)),
+            prefix_cache_hit_rate=float(raw.get("prefix_cache_hit_rate", 0.0)),
+            num_free_blocks=int(raw.get("num_free_blocks", 0)),
+            num_total_blocks=int(raw.get("num_total_blocks", 0)),
+            loras_loaded=[str(x) for x in raw.get("loras_loaded", ())],
+            started_at=self._started_at,
+            heartbeat_at=time.time(),
+        )
+
+    def _heartbeat(self) -> None:
+        self.queue.heartbeat(self.stats())
+
+    def _shutdown_redis(self) -> None:
+        try:
+            self.queue.remove_heartbeat()
+            self.queue.leave_group()
+        except Exception:  # Redis is gone too; the heartbeat TTL expires on its own
+            logger.exception("could not remove the heartbeat")
+
+
+def _request_id_of(fields: dict) -> str | None:
+    try:
+        raw = json.loads(fields.get(b"data", fields.get("data")) or "null")
+    except (TypeError, ValueError):
+        return None
+    request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    return request_id if isinstance(request_id, str) and request_id else None

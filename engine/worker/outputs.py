@@ -1,0 +1,107 @@
+"""Turning the engine's RequestOutputs into wire events, with the per-request bookkeeping that needs.
+
+The worker keeps its own count of tokens sent per index, so an aborted or failed request can be
+settled (usage of what was produced) without asking the engine, whose state for it is gone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.protocol import DeltaOutput, Event, FinishedOutput, Usage
+
+
+@dataclass(slots=True)
+class HeldRequest:
+    """A request this replica has taken from the stream and not yet acked."""
+
+    request_id: str
+    message_id: bytes  # id of the entry in the requests stream; acked when the request ends
+    n: int
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    completion_tokens: list[int] = field(default_factory=list)  # tokens sent so far, per index
+    finish_reasons: dict[int, FinishedOutput] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.completion_tokens:
+            self.completion_tokens = [0] * self.n
+
+    @property
+    def has_streamed(self) -> bool:
+        return any(self.completion_tokens)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=sum(self.completion_tokens),
+            cached_tokens=self.num_cached_tokens,
+        )
+
+    def aborted_event(self) -> Event:
+        """The finished event for a cancel: indices that had already ended keep their own reason."""
+        outputs = [
+            self.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason="abort") for i in range(self.n)
+        ]
+        return Event.finished(outputs, self.usage())
+
+
+def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
+    """Events for one RequestOutput of one step: a delta when any index progressed, then the end."""
+    events: list[Event] = []
+    deltas: list[DeltaOutput] = []
+    for completion in output.outputs:
+        index = completion.index
+        token_ids = list(completion.token_ids_delta or ())
+        text = completion.text_delta or ""
+        if token_ids or text:
+            held.completion_tokens[index] += len(token_ids)
+            deltas.append(
+                DeltaOutput(
+                    index=index,
+                    text=text,
+                    token_ids=token_ids,
+                    logprobs=_wire_logprobs(completion.logprobs_delta),
+                )
+            )
+        if completion.finish_reason is not None and index not in held.finish_reasons:
+            held.finish_reasons[index] = FinishedOutput(
+                index=index, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason
+            )
+    if output.num_cached_tokens is not None:
+        held.num_cached_tokens = output.num_cached_tokens
+    if output.num_prompt_tokens:
+        held.num_prompt_tokens = output.num_prompt_tokens
+    if deltas:
+        events.append(Event.delta(deltas))
+    if getattr(output, "error", None):
+        events.append(Event.error(str(output.error), "engine_error", held.usage()))
+    elif output.finished:
+        outputs = [
+            held.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason="stop") for i in range(held.n)
+        ]
+        events.append(Event.finished(outputs, held.usage()))
+    return events
+
+
+def _wire_logprobs(entries: Any) -> list[dict[str, Any]] | None:
+    """The sampler's TokenLogprobs as JSON: {"token_id", "logprob", "top": [[token_id, logprob], ...]}."""
+    if not entries:
+        return None
+    return [
+        {
+            "token_id": int(entry.token_id),
+            "logprob": _finite(entry.logprob),
+            "top": [[int(tok), _finite(lp)] for tok, lp in entry.top_logprobs],
+        }
+        for entry in entries
+        if entry is not None
+    ]
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; OpenAI clients show -9999.0 for a token with zero probability.
+    value = float(value)
+    return value if math.isfinite(value) else -9999.0

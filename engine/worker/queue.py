@@ -1,0 +1,202 @@
+"""The Redis side of a replica: its model's request stream (consumer group), cancels, outputs, heartbeat.
+
+Every call here is one round trip; the worker loop decides when to make it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from engine.protocol import (
+    CONSUMER_GROUP,
+    Event,
+    ReplicaStats,
+    cancel_request_id,
+    cancel_stream,
+    output_stream,
+    replica_stats_key,
+    replicas_key,
+    requests_stream,
+)
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+# Keep the idle clock at zero for entries this consumer still owns. Checking the owner and claiming
+# in one script matters: a plain XCLAIM would take back an entry another replica had already
+# reclaimed from us (after we stalled past the timeout), and both would then answer it.
+_TOUCH_SCRIPT = """
+local owned = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    owned[#owned + 1] = ARGV[i]
+  end
+end
+return owned
+"""
+
+# Idle time given to entries handed back on a failure, so the next XAUTOCLAIM of any replica
+# takes them at once instead of after the claim timeout.
+_RELEASED_IDLE_MS = 10**12
+
+
+class RequestQueue:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str,
+        model: str,
+        replica_id: str,
+        output_ttl_s: int,
+        heartbeat_ttl_s: float,
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.replica_id = replica_id
+        self.prefix = prefix
+        self.stream = requests_stream(prefix, model)
+        self.cancels = cancel_stream(prefix, model)
+        self.output_ttl_s = output_ttl_s
+        self.heartbeat_ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
+        self._touch = client.register_script(_TOUCH_SCRIPT)
+        self._autoclaim_cursor: bytes | str = "0-0"
+        self._cancel_cursor: bytes | str = "0-0"
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def ensure_group(self) -> None:
+        # From id 0, not "$": requests queued before the first replica ever started are served too.
+        try:
+            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        reply = self.client.xreadgroup(
+            CONSUMER_GROUP, self.replica_id, {self.stream: ">"}, count=count, block=block_ms
+        )
+        return _entries(reply)
+
+    def read_own_pending(self, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
+        """Entries still held under this replica id by an earlier process of the same id."""
+        entries = _entries(self.client.xreadgroup(CONSUMER_GROUP, self.replica_id, {self.stream: "0"}, count=count))
+        return self._with_deliveries(entries)
+
+    def autoclaim(self, min_idle_ms: int, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
+        """Claim entries idle past the timeout (their replica died); with how often each was delivered."""
+        reply = self.client.xautoclaim(
+            self.stream, CONSUMER_GROUP, self.replica_id, min_idle_ms, self._autoclaim_cursor, count=count
+        )
+        self._autoclaim_cursor = reply[0]
+        # Entries trimmed from the stream while pending are listed apart (Redis 7); Redis deletes
+        # them from the group itself.
+        return self._with_deliveries([(_b(mid), fields or {}) for mid, fields in reply[1]])
+
+    def _with_deliveries(self, entries: list[Entry]) -> list[tuple[bytes, dict[bytes, bytes], int]]:
+        if not entries:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for mid, _ in entries:
+            pipe.xpending_range(self.stream, CONSUMER_GROUP, mid, mid, 1)
+        deliveries = [rows[0]["times_delivered"] if rows else 1 for rows in pipe.execute()]
+        return [(mid, fields, d) for (mid, fields), d in zip(entries, deliveries, strict=True)]
+
+    def touch(self, message_ids: list[bytes]) -> set[bytes]:
+        """Reset the idle time of entries this replica holds; returns those it still owns."""
+        if not message_ids:
+            return set()
+        owned = self._touch(keys=[self.stream], args=[CONSUMER_GROUP, self.replica_id, *message_ids])
+        return {_b(mid) for mid in owned}
+
+    def release(self, message_ids: list[bytes]) -> None:
+        """Hand entries back unanswered, claimable by any replica at once."""
+        if message_ids:
+            self.client.xclaim(
+                self.stream, CONSUMER_GROUP, self.replica_id, 0, message_ids, idle=_RELEASED_IDLE_MS, justid=True
+            )
+
+    def ack(self, message_ids: list[bytes]) -> None:
+        if message_ids:
+            self.client.xack(self.stream, CONSUMER_GROUP, *message_ids)
+
+    def pending_count(self) -> int:
+        return int(self.client.xpending(self.stream, CONSUMER_GROUP)["pending"])
+
+    def leave_group(self) -> None:
+        """Remove this consumer on a clean exit; only when it holds nothing, so nothing is dropped."""
+        rows = self.client.xpending_range(self.stream, CONSUMER_GROUP, "-", "+", 1, consumername=self.replica_id)
+        if not rows:
+            self.client.xgroup_delconsumer(self.stream, CONSUMER_GROUP, self.replica_id)
+
+    # --- outputs --------------------------------------------------------------------------------
+
+    def publish(self, events: list[tuple[str, Event]], acks: list[bytes]) -> None:
+        """All of one step's events and acks in one round trip; acks go last so nothing is acked unsent."""
+        if not events and not acks:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        streams: set[str] = set()
+        for request_id, event in events:
+            key = output_stream(self.prefix, request_id)
+            pipe.xadd(key, event.encode())
+            streams.add(key)
+        # Refreshed on every write, so a request that runs longer than the TTL keeps its stream.
+        for key in streams:
+            pipe.expire(key, self.output_ttl_s)
+        if acks:
+            pipe.xack(self.stream, CONSUMER_GROUP, *acks)
+        pipe.execute()
+
+    def read_output(self, request_id: str) -> list[Event]:
+        return [Event.decode(fields) for _, fields in self.client.xrange(output_stream(self.prefix, request_id))]
+
+    # --- cancels --------------------------------------------------------------------------------
+
+    def start_cancels(self, lookback_s: float) -> None:
+        # Stream ids are millisecond timestamps: starting a little in the past also catches cancels
+        # sent for requests that this replica will only take later (a reclaim, a queued request).
+        self._cancel_cursor = f"{max(0, int((time.time() - lookback_s) * 1000))}-0"
+
+    def read_cancels(self, count: int = 1000) -> list[str]:
+        reply = self.client.xread({self.cancels: self._cancel_cursor}, count=count)
+        ids: list[str] = []
+        for mid, fields in _entries(reply):
+            self._cancel_cursor = mid
+            request_id = cancel_request_id(fields)
+            if request_id:
+                ids.append(request_id)
+        return ids
+
+    # --- heartbeat ------------------------------------------------------------------------------
+
+    def heartbeat(self, stats: ReplicaStats) -> None:
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(replica_stats_key(self.prefix, self.model, self.replica_id), stats.encode(), px=self.heartbeat_ttl_ms)
+        pipe.zadd(replicas_key(self.prefix, self.model), {self.replica_id: now})
+        # Replicas that vanished without a clean exit leave a member behind; keep the set bounded.
+        pipe.zremrangebyscore(replicas_key(self.prefix, self.model), "-inf", now - 3600)
+        pipe.execute()
+
+    def remove_heartbeat(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(replica_stats_key(self.prefix, self.model, self.replica_id))
+        pipe.zrem(replicas_key(self.prefix, self.model), self.replica_id)
+        pipe.execute()
+
+
+def _entries(reply: Any) -> list[Entry]:
+    if not reply:
+        return []
+    # RESP2 replies: [[stream, [(id, fields), ...]], ...]; fields is None for an entry deleted while pending.
+    return [(_b(mid), fields or {}) for _, entries in reply for mid, fields in entries]
+
+
+def _b(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

@@ -1,0 +1,62 @@
+"""Settings of one engine replica's Redis loop, checked on construction."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+from engine.config import ConfigError
+
+
+def default_replica_id() -> str:
+    # Unique per process: a restarted process under a new id leaves the old one's requests to be
+    # reclaimed by timeout; a supervisor that wants a restart to resume at once passes a fixed id.
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(slots=True)
+class WorkerSettings:
+    model: str  # served name: selects the request stream and names the replica in heartbeats
+    prefix: str = "pagoda:"
+    replica_id: str = ""
+    # A request pending this long in a replica that stopped touching it is taken by another replica.
+    claim_timeout_ms: int = 15_000
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    output_ttl_s: int = 600
+    # How long an idle replica waits on the request stream per read; bounds the latency of
+    # noticing a signal, a cancel or a reclaim while idle.
+    idle_block_ms: int = 200
+    # A request delivered more often than this failed on every replica that took it (it may be what
+    # kills them): it is answered with an error instead of being run again.
+    max_deliveries: int = 3
+    # Requests held at once (running + waiting in the engine); the rest stay in the shared stream
+    # where another replica can take them. 0: twice the engine's max_num_seqs.
+    max_held: int = 0
+    # How far back the cancel stream is read at start, to see cancels of requests taken later.
+    cancel_lookback_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model (the served name) is required")
+        if not self.replica_id:
+            self.replica_id = default_replica_id()
+        if self.claim_timeout_ms < 100:
+            raise ConfigError(f"claim_timeout_ms must be >= 100, got {self.claim_timeout_ms}")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ConfigError("need 0 < heartbeat_interval_s < heartbeat_ttl_s")
+        if self.output_ttl_s < 1:
+            raise ConfigError("output_ttl_s must be >= 1")
+        if self.idle_block_ms < 1 or self.max_deliveries < 1 or self.max_held < 0:
+            raise ConfigError("idle_block_ms and max_deliveries must be >= 1, max_held >= 0")
+
+    @property
+    def touch_interval_s(self) -> float:
+        # Three touches per timeout: a replica must miss several in a row to lose its requests.
+        return self.claim_timeout_ms / 3000
+
+    @property
+    def reclaim_interval_s(self) -> float:
+        return max(0.1, self.claim_timeout_ms / 2000)

@@ -1,0 +1,37 @@
+"""Shared engine fixtures: tiny random-weight model directories, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _few_threads() -> None:
+    # The test machine's cores are shared; tiny models gain nothing from more threads.
+    torch.set_num_threads(2)
+
+
+def _build(tmp_path_factory: pytest.TempPathFactory, arch: str, **kwargs) -> Path:
+    from engine.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, size="tiny", seed=0, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama 3 shape: GQA (4 heads, 2 KV heads), llama3 rope scaling, untied embeddings, float32."""
+    return _build(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 shape: bias on the q/k/v projections."""
+    return _build(tmp_path_factory, "qwen2")

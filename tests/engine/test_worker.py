@@ -1,0 +1,603 @@
+"""The engine worker against real Redis and a real engine on a tiny model (CPU).
+
+Most tests share one worker process; the ones about process life (two replicas, SIGKILL, SIGTERM)
+start their own. Workers driven in-process (a thread) cover what needs a hand on the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.protocol import (
+    CONSUMER_GROUP,
+    Event,
+    GenerateRequest,
+    ReplicaStats,
+    cancel_message,
+    cancel_stream,
+    output_stream,
+    replica_stats_key,
+    replicas_key,
+    requests_stream,
+)
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+MODEL = "tiny-chat"
+PROMPT = [5, 17, 301, 42, 7, 99, 1024, 3]
+NUM_BLOCKS = 64
+MAX_MODEL_LEN = 512
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def new_prefix() -> str:
+    return os.environ.get("PAGODA_REDIS_PREFIX", "pagoda-test:") + f"worker-{uuid.uuid4().hex[:10]}:"
+
+
+def drop_keys(client: redis.Redis, prefix: str) -> None:
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        client.delete(key)
+
+
+def submit(client: redis.Redis, prefix: str, request_id: str, prompt: list[int] = PROMPT, **params) -> None:
+    params.setdefault("temperature", 0.0)
+    request = GenerateRequest(
+        request_id=request_id, model=MODEL, prompt_token_ids=prompt, sampling_params=params, tenant="tenant-a"
+    )
+    client.xadd(requests_stream(prefix, MODEL), request.encode())
+
+
+def events_of(client: redis.Redis, prefix: str, request_id: str) -> list[Event]:
+    return [Event.decode(fields) for _, fields in client.xrange(output_stream(prefix, request_id))]
+
+
+def ended(events: list[Event]) -> bool:
+    return bool(events) and events[-1].type in ("finished", "error")
+
+
+def wait_events(
+    client: redis.Redis,
+    prefix: str,
+    request_id: str,
+    until: Callable[[list[Event]], bool] = ended,
+    timeout: float = 90.0,
+) -> list[Event]:
+    deadline = time.monotonic() + timeout
+    while True:
+        events = events_of(client, prefix, request_id)
+        if until(events):
+            return events
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting on {request_id}; events so far: {events}")
+        time.sleep(0.02)
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def streamed(events: list[Event], index: int = 0) -> tuple[str, list[int]]:
+    outputs = [o for e in events if e.type == "delta" for o in e.outputs if o["index"] == index]
+    return "".join(o["text"] for o in outputs), [t for o in outputs for t in o["token_ids"]]
+
+
+def num_streamed_tokens(events: list[Event]) -> int:
+    return sum(len(o["token_ids"]) for e in events if e.type == "delta" for o in e.outputs)
+
+
+def has_delta(events: list[Event]) -> bool:
+    return any(e.type == "delta" for e in events)
+
+
+def pending(client: redis.Redis, prefix: str) -> int:
+    return int(client.xpending(requests_stream(prefix, MODEL), CONSUMER_GROUP)["pending"])
+
+
+def stats_of(client: redis.Redis, prefix: str, replica_id: str) -> ReplicaStats | None:
+    raw = client.get(replica_stats_key(prefix, MODEL, replica_id))
+    return ReplicaStats.decode(raw) if raw else None
+
+
+class Workers:
+    """Engine worker processes on one Redis prefix; every one is killed at teardown."""
+
+    def __init__(self, model_dir: Path, prefix: str, log_dir: Path) -> None:
+        self.model_dir, self.prefix, self.log_dir = model_dir, prefix, log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.client = redis.Redis.from_url(REDIS_URL)
+
+    def start(self, replica_id: str, *extra: str) -> subprocess.Popen:
+        argv = [
+            sys.executable, "-m", "engine.serve",
+            "--model-dir", str(self.model_dir), "--served-name", MODEL,
+            "--redis-url", REDIS_URL, "--redis-prefix", self.prefix, "--replica-id", replica_id,
+            "--device", "cpu", "--dtype", "float32", "--num-blocks", str(NUM_BLOCKS),
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "256",
+            "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2", "--claim-timeout-ms", "1000",
+            *extra,
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(PROJECT_ROOT))
+        log = open(self.log_dir / f"{replica_id}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(argv, cwd=PROJECT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[replica_id] = proc
+        return proc
+
+    def wait_ready(self, replica_id: str, timeout: float = 120.0) -> None:
+        proc = self.procs[replica_id]
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"worker {replica_id} exited with {proc.returncode}:\n{self.log(replica_id)}")
+            return stats_of(self.client, self.prefix, replica_id) is not None
+
+        wait_for(ready, timeout, f"worker {replica_id} to publish a heartbeat")
+
+    def log(self, replica_id: str) -> str:
+        return (self.log_dir / f"{replica_id}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+        drop_keys(self.client, self.prefix)
+        self.client.close()
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(REDIS_URL)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def direct_engine(tiny_llama_dir: Path):
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_config(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            device="cpu",
+            dtype="float32",
+            cache=CacheConfig(num_blocks=NUM_BLOCKS),
+            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256),
+        )
+    )
+
+
+def run_directly(engine, request_id: str, prompt: list[int], **params) -> dict[int, tuple[str, list[int]]]:
+    engine.add_request(request_id, prompt, SamplingParams(**params))
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = {c.index: (c.text, list(c.token_ids)) for c in output.outputs}
+    return final
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    """One worker process shared by the tests that do not stop it."""
+    workers = Workers(tiny_llama_dir, new_prefix(), tmp_path_factory.mktemp("served-logs"))
+    try:
+        workers.start("solo", "--max-num-seqs", "4")
+        workers.wait_ready("solo")
+        yield workers
+    finally:
+        workers.close()
+
+
+@pytest.fixture
+def workers(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[Workers]:
+    w = Workers(tiny_llama_dir, new_prefix(), tmp_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+# --- one shared worker ----------------------------------------------------------------------------
+
+
+def test_streamed_deltas_add_up_to_the_finished_text_and_to_the_engine_run_directly(served, direct_engine):
+    c, prefix = served.client, served.prefix
+    submit(c, prefix, "greedy-1", max_tokens=24, ignore_eos=True)
+
+    events = wait_events(c, prefix, "greedy-1")
+
+    text, token_ids = streamed(events)
+    assert (text, token_ids) == run_directly(direct_engine, "direct-greedy-1", PROMPT, temperature=0.0,
+                                             max_tokens=24, ignore_eos=True)[0]  # fmt: skip
+    assert len(token_ids) == 24
+    finished = events[-1]
+    assert finished.type == "finished"
+    assert finished.outputs == [{"index": 0, "finish_reason": "length", "stop_reason": None}]
+    assert finished.usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 24, "cached_tokens": 0}
+    assert finished.replica == "solo"
+    assert 0 < c.ttl(output_stream(prefix, "greedy-1")) <= 600
+    wait_for(lambda: pending(c, prefix) == 0, 5, "the request to be acked")
+
+
+def test_n2_streams_every_index_and_sums_usage_over_them(served, direct_engine):
+    c, prefix = served.client, served.prefix
+    submit(c, prefix, "n2-1", n=2, max_tokens=10, ignore_eos=True)
+
+    events = wait_events(c, prefix, "n2-1")
+
+    direct = run_directly(direct_engine, "direct-n2-1", PROMPT, n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    assert streamed(events, 0) == direct[0]
+    assert streamed(events, 1) == direct[1]
+    # One delta event per step, never one per index.
+    assert all(len({o["index"] for o in e.outputs}) == len(e.outputs) for e in events if e.type == "delta")
+    assert events[-1].outputs == [
+        {"index": 0, "finish_reason": "length", "stop_reason": None},
+        {"index": 1, "finish_reason": "length", "stop_reason": None},
+    ]
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 20, "cached_tokens": 0}
+
+
+def test_logprobs_travel_with_each_token(served):
+    c, prefix = served.client, served.prefix
+    submit(c, prefix, "lp-1", max_tokens=5, ignore_eos=True, logprobs=2)
+
+    events = wait_events(c, prefix, "lp-1")
+
+    outputs = [o for e in events if e.type == "delta" for o in e.outputs]
+    assert sum(len(o["token_ids"]) for o in outputs) == 5
+    for o in outputs:
+        assert [entry["token_id"] for entry in o["logprobs"]] == o["token_ids"]
+        for entry in o["logprobs"]:
+            assert len(entry["top"]) == 2
+            # Greedy: the sampled token is the most likely one.
+            assert entry["top"][0][0] == entry["token_id"]
+            assert entry["logprob"] == pytest.approx(entry["top"][0][1])
+
+
+def test_cancel_ends_the_request_with_abort_and_frees_its_blocks(served):
+    c, prefix = served.client, served.prefix
+    submit(c, prefix, "cancel-1", max_tokens=400, ignore_eos=True)
+    wait_events(c, prefix, "cancel-1", until=has_delta)
+
+    c.xadd(cancel_stream(prefix, MODEL), cancel_message("cancel-1"))
+    events = wait_events(c, prefix, "cancel-1")
+
+    assert events[-1].type == "finished"
+    assert events[-1].outputs == [{"index": 0, "finish_reason": "abort", "stop_reason": None}]
+    produced = num_streamed_tokens(events)
+    assert 0 < produced < 400
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": produced, "cached_tokens": 0}
+    assert len([e for e in events if e.type == "finished"]) == 1
+    stats = wait_for(
+        lambda: (s := stats_of(c, prefix, "solo")) and s.num_running == 0 and s.num_free_blocks == NUM_BLOCKS and s,
+        10,
+        "the aborted request's blocks to be free",
+    )
+    assert stats.num_total_blocks == NUM_BLOCKS
+    wait_for(lambda: pending(c, prefix) == 0, 5, "the cancelled request to be acked")
+
+
+def test_a_cancel_that_arrives_before_the_request_is_taken_still_applies(served):
+    c, prefix = served.client, served.prefix
+    c.xadd(cancel_stream(prefix, MODEL), cancel_message("cancel-early"))
+    time.sleep(0.5)  # the worker has read the cancel before the request exists
+    submit(c, prefix, "cancel-early", max_tokens=50, ignore_eos=True)
+
+    events = wait_events(c, prefix, "cancel-early")
+
+    assert [e.type for e in events] == ["finished"]
+    assert events[0].outputs == [{"index": 0, "finish_reason": "abort", "stop_reason": None}]
+    assert events[0].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 0, "cached_tokens": 0}
+
+
+def test_malformed_entries_are_acked_and_answered_when_they_name_a_request(served):
+    c, prefix = served.client, served.prefix
+    stream = requests_stream(prefix, MODEL)
+    c.xadd(stream, {"data": "{not json"})
+    c.xadd(stream, {"data": '{"v":1,"request_id":"bad-fields"}'})
+    submit(c, prefix, "bad-params", temperature=5.0)
+    submit(c, prefix, "good-after", max_tokens=3, ignore_eos=True)
+
+    bad_fields = wait_events(c, prefix, "bad-fields")
+    bad_params = wait_events(c, prefix, "bad-params")
+    good = wait_events(c, prefix, "good-after")
+
+    assert [(e.type, e.code) for e in bad_fields] == [("error", "invalid_request")]
+    assert [(e.type, e.code) for e in bad_params] == [("error", "invalid_request")]
+    assert "temperature" in bad_params[0].message
+    assert good[-1].type == "finished" and good[-1].usage["completion_tokens"] == 3
+    wait_for(lambda: pending(c, prefix) == 0, 5, "every entry to be acked")
+
+
+def test_a_prompt_longer_than_the_engine_allows_gets_request_too_large(served):
+    c, prefix = served.client, served.prefix
+    submit(c, prefix, "too-long", prompt=[7] * (MAX_MODEL_LEN + 1), max_tokens=4)
+
+    events = wait_events(c, prefix, "too-long")
+
+    assert [(e.type, e.code) for e in events] == [("error", "request_too_large")]
+    assert str(MAX_MODEL_LEN) in events[0].message
+    wait_for(lambda: pending(c, prefix) == 0, 5, "the refused request to be acked")
+
+
+def test_heartbeat_publishes_stats_with_a_ttl(served):
+    c, prefix = served.client, served.prefix
+
+    stats = stats_of(c, prefix, "solo")
+    ttl_ms = c.pttl(replica_stats_key(prefix, MODEL, "solo"))
+    score = c.zscore(replicas_key(prefix, MODEL), "solo")
+
+    assert stats is not None and stats.model == MODEL and stats.replica_id == "solo"
+    assert stats.num_total_blocks == NUM_BLOCKS
+    assert 0 < ttl_ms <= 2000
+    assert score is not None and time.time() - score < 2.0
+
+
+# --- replicas coming and going --------------------------------------------------------------------
+
+
+def test_two_replicas_share_one_model_stream(workers):
+    c, prefix = workers.client, workers.prefix
+    for replica in ("left", "right"):
+        # One request at a time each, so the second request must go to the other replica.
+        workers.start(replica, "--max-num-seqs", "1", "--max-held", "1")
+    workers.wait_ready("left")
+    workers.wait_ready("right")
+    request_ids = [f"shared-{i}" for i in range(4)]
+    for request_id in request_ids:
+        submit(c, prefix, request_id, max_tokens=40, ignore_eos=True)
+
+    finals = [wait_events(c, prefix, request_id)[-1] for request_id in request_ids]
+
+    assert [f.type for f in finals] == ["finished"] * 4
+    assert [f.usage["completion_tokens"] for f in finals] == [40] * 4
+    assert {f.replica for f in finals} == {"left", "right"}
+    wait_for(lambda: pending(c, prefix) == 0, 5, "every request to be acked")
+
+
+def test_a_killed_replicas_requests_are_reclaimed_queued_ones_run_and_streaming_ones_fail(workers):
+    c, prefix = workers.client, workers.prefix
+    # One sequence runs at a time and two are taken: the second waits, held but never started.
+    workers.start("doomed", "--max-num-seqs", "1", "--max-held", "2")
+    workers.wait_ready("doomed")
+    submit(c, prefix, "streaming", max_tokens=480, ignore_eos=True)
+    wait_events(c, prefix, "streaming", until=has_delta)
+    submit(c, prefix, "held-waiting", max_tokens=12, ignore_eos=True)
+    wait_for(lambda: pending(c, prefix) == 2, 10, "the dead-to-be replica to hold both requests")
+    assert not ended(events_of(c, prefix, "streaming"))
+    assert events_of(c, prefix, "held-waiting") == []
+
+    workers.procs["doomed"].send_signal(signal.SIGKILL)
+    workers.procs["doomed"].wait(timeout=30)
+    streamed_before = events_of(c, prefix, "streaming")
+    submit(c, prefix, "queued-after", max_tokens=6, ignore_eos=True)
+    workers.start("rescuer", "--max-num-seqs", "2")
+
+    streaming = wait_events(c, prefix, "streaming")
+    waiting = wait_events(c, prefix, "held-waiting")
+    queued = wait_events(c, prefix, "queued-after")
+
+    # The reader of the interrupted stream gets an error with what it was sent, not a second answer.
+    assert streaming[: len(streamed_before)] == streamed_before
+    assert [(e.type, e.code, e.replica) for e in streaming[len(streamed_before) :]] == [
+        ("error", "engine_failed", "rescuer")
+    ]
+    assert streaming[-1].usage == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": num_streamed_tokens(streamed_before),
+        "cached_tokens": 0,
+    }
+    assert (waiting[-1].type, waiting[-1].replica, num_streamed_tokens(waiting)) == ("finished", "rescuer", 12)
+    assert (queued[-1].type, queued[-1].replica, num_streamed_tokens(queued)) == ("finished", "rescuer", 6)
+    wait_for(lambda: pending(c, prefix) == 0, 5, "every request to be acked")
+
+
+def test_sigterm_drains_the_running_request_takes_nothing_new_and_exits_zero(workers):
+    c, prefix = workers.client, workers.prefix
+    proc = workers.start("draining")
+    workers.wait_ready("draining")
+    submit(c, prefix, "in-flight", max_tokens=60, ignore_eos=True)
+    wait_events(c, prefix, "in-flight", until=has_delta)
+
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    submit(c, prefix, "after-stop", max_tokens=4)
+    returncode = proc.wait(timeout=60)
+
+    assert returncode == 0, workers.log("draining")
+    in_flight = events_of(c, prefix, "in-flight")
+    assert in_flight[-1].type == "finished"
+    assert in_flight[-1].outputs[0]["finish_reason"] == "length"
+    assert num_streamed_tokens(in_flight) == 60
+    # The new request stays queued for another replica: never delivered, never answered.
+    assert events_of(c, prefix, "after-stop") == []
+    assert pending(c, prefix) == 0
+    assert c.xlen(requests_stream(prefix, MODEL)) == 2
+    # A clean exit removes the heartbeat and the consumer.
+    assert c.exists(replica_stats_key(prefix, MODEL, "draining")) == 0
+    assert c.zscore(replicas_key(prefix, MODEL), "draining") is None
+    assert c.xinfo_consumers(requests_stream(prefix, MODEL), CONSUMER_GROUP) == []
+
+
+# --- a worker driven in-process, for what needs a hand on the engine ------------------------------
+
+
+@pytest.fixture
+def fresh_engine(tiny_llama_dir: Path):
+    from engine.llm_engine import LLMEngine
+
+    def make(max_num_seqs: int = 4):
+        return LLMEngine.from_config(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                device="cpu",
+                dtype="float32",
+                cache=CacheConfig(num_blocks=NUM_BLOCKS),
+                scheduler=SchedulerConfig(
+                    max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=max_num_seqs
+                ),
+            )
+        )
+
+    return make
+
+
+@pytest.fixture
+def inproc(client: redis.Redis) -> Iterator[Callable]:
+    """Builds EngineWorkers on a fresh prefix; any still running at teardown are stopped."""
+    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
+
+    prefix = new_prefix()
+    started: list[tuple[EngineWorker, threading.Thread | None]] = []
+
+    def build(engine, **settings) -> EngineWorker:
+        settings = {"heartbeat_interval_s": 0.2, "heartbeat_ttl_s": 2.0, "idle_block_ms": 50, **settings}
+        ws = WorkerSettings(model=MODEL, prefix=prefix, **settings)
+        queue = RequestQueue(
+            client,
+            prefix=prefix,
+            model=MODEL,
+            replica_id=ws.replica_id,
+            output_ttl_s=ws.output_ttl_s,
+            heartbeat_ttl_s=ws.heartbeat_ttl_s,
+        )
+        worker = EngineWorker(engine, queue, ws)
+        started.append((worker, None))
+        return worker
+
+    def in_thread(worker) -> threading.Thread:
+        result: dict[str, int] = {}
+        thread = threading.Thread(target=lambda: result.setdefault("rc", worker.run()), daemon=True)
+        thread.result = result  # type: ignore[attr-defined]
+        thread.start()
+        started.append((worker, thread))
+        return thread
+
+    build.prefix = prefix  # type: ignore[attr-defined]
+    build.in_thread = in_thread  # type: ignore[attr-defined]
+    yield build
+    for worker, thread in started:
+        if thread is not None and thread.is_alive():
+            worker.request_stop()
+            worker.request_stop()
+            thread.join(timeout=30)
+    drop_keys(client, prefix)
+
+
+def test_an_engine_failure_fails_streamed_requests_and_hands_back_unstarted_ones(client, inproc, fresh_engine):
+    from engine.worker import EXIT_ENGINE_FAILED
+
+    prefix = inproc.prefix
+    engine = fresh_engine(max_num_seqs=1)
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 4:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = failing_step
+    worker = inproc(engine, replica_id="fragile")
+    submit(client, prefix, "was-streaming", max_tokens=100, ignore_eos=True)
+    submit(client, prefix, "never-started", max_tokens=5)
+
+    returncode = worker.run()
+
+    assert returncode == EXIT_ENGINE_FAILED
+    streaming = events_of(client, prefix, "was-streaming")
+    assert [e.type for e in streaming] == ["delta"] * 4 + ["error"]
+    assert streaming[-1].code == "engine_error"
+    assert streaming[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "cached_tokens": 0}
+    assert events_of(client, prefix, "never-started") == []
+    # Handed back: any replica's next reclaim takes it at once, whatever its claim timeout.
+    _, claimed, _ = client.xautoclaim(requests_stream(prefix, MODEL), CONSUMER_GROUP, "other", 60_000, "0-0")
+    assert [GenerateRequest.decode(fields).request_id for _, fields in claimed] == ["never-started"]
+    assert stats_of(client, prefix, "fragile") is None
+
+
+def test_a_restarted_replica_resumes_what_its_previous_process_held(client, inproc, fresh_engine):
+    prefix = inproc.prefix
+    stream = requests_stream(prefix, MODEL)
+    client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    submit(client, prefix, "left-behind", max_tokens=5, ignore_eos=True)
+    client.xreadgroup(CONSUMER_GROUP, "phoenix", {stream: ">"})  # taken by a process that then died
+    # A claim timeout far beyond the test: only the replica's own restart can pick it up.
+    thread = inproc.in_thread(inproc(fresh_engine(), replica_id="phoenix", claim_timeout_ms=600_000))
+
+    events = wait_events(client, prefix, "left-behind", timeout=30)
+
+    assert events[-1].type == "finished" and num_streamed_tokens(events) == 5
+    assert thread.is_alive()
+
+
+def test_a_live_replica_keeps_its_long_requests_from_being_reclaimed(client, inproc, fresh_engine):
+    prefix = inproc.prefix
+    stream = requests_stream(prefix, MODEL)
+    inproc.in_thread(inproc(fresh_engine(), replica_id="busy", claim_timeout_ms=300))
+    submit(client, prefix, "long-runner", max_tokens=400, ignore_eos=True)
+    wait_events(client, prefix, "long-runner", until=has_delta)
+
+    stolen = []
+    started = time.monotonic()
+    while not ended(events_of(client, prefix, "long-runner")):
+        _, claimed, _ = client.xautoclaim(stream, CONSUMER_GROUP, "thief", 300, "0-0")
+        stolen.extend(claimed)
+        time.sleep(0.05)
+    ran_for = time.monotonic() - started
+
+    events = events_of(client, prefix, "long-runner")
+    assert stolen == []
+    assert events[-1].type == "finished" and num_streamed_tokens(events) == 400
+    assert ran_for > 0.3, "the request must outlive the claim timeout for this test to mean anything"
+
+
+def test_a_replica_that_lost_a_request_to_a_reclaim_stops_answering_it(client, inproc, fresh_engine):
+    prefix = inproc.prefix
+    stream = requests_stream(prefix, MODEL)
+    engine = fresh_engine()
+    inproc.in_thread(inproc(engine, replica_id="stalled", claim_timeout_ms=300))
+    submit(client, prefix, "taken-away", max_tokens=400, ignore_eos=True)
+    wait_events(client, prefix, "taken-away", until=has_delta)
+
+    # As another replica does when this one looked dead: the entry is now the thief's, which keeps
+    # it alive (touching it) from then on.
+    _, claimed, _ = client.xautoclaim(stream, CONSUMER_GROUP, "thief", 0, "0-0")
+    assert len(claimed) == 1
+    message_id = claimed[0][0]
+    counts = []
+    for _ in range(15):  # 1.5 s: several touch intervals of the stalled replica
+        client.xclaim(stream, CONSUMER_GROUP, "thief", 0, [message_id], justid=True)
+        counts.append(len(events_of(client, prefix, "taken-away")))
+        time.sleep(0.1)
+
+    # It stops within one touch interval (100 ms), then writes nothing more.
+    assert len(set(counts[5:])) == 1
+    assert not ended(events_of(client, prefix, "taken-away"))
+    assert client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)[0]["consumer"] == b"thief"
+    wait_for(lambda: engine.get_stats()["num_free_blocks"] == NUM_BLOCKS, 5, "the dropped request's blocks")
