@@ -1,0 +1,184 @@
+"""Request fields with OpenAI's accepted shapes, and the list of fields the platform refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+# OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+        "suffix",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    }
+)
+# Accepted and ignored: they change nothing about generation.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+
+
+class StopField(serializers.Field):
+    """`stop`: a string or a list of up to four non-empty strings (null: none)."""
+
+    def to_internal_value(self, data: Any) -> list[str]:
+        if data is None:
+            return []
+        if isinstance(data, str):
+            data = [data]
+        if not isinstance(data, list):
+            raise serializers.ValidationError("stop must be a string or a list of strings.")
+        if len(data) > MAX_STOP_STRINGS:
+            raise serializers.ValidationError(f"stop takes at most {MAX_STOP_STRINGS} strings.")
+        if not all(isinstance(s, str) and s for s in data):
+            raise serializers.ValidationError("Each stop sequence must be a non-empty string.")
+        return list(data)
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class PromptField(serializers.Field):
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists.
+
+    Internal value: a list of prompts, each a str or a list[int].
+    """
+
+    def to_internal_value(self, data: Any) -> list[str | list[int]]:
+        if isinstance(data, str):
+            return [data]
+        if isinstance(data, list) and data:
+            if all(isinstance(p, str) for p in data):
+                return list(data)
+            if all(_is_int(t) for t in data):
+                return [list(data)]
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in data):
+                return [list(p) for p in data]
+        raise serializers.ValidationError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists,"
+            " and not empty."
+        )
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+_ROLES = {"system", "developer", "user", "assistant"}
+
+
+class MessagesField(serializers.Field):
+    """`messages`: role + text content (a string or a list of text parts). Internal value:
+    [{"role", "content": str}], with `developer` read as `system` (as OpenAI does for older models)."""
+
+    def to_internal_value(self, data: Any) -> list[dict[str, str]]:
+        if not isinstance(data, list) or not data:
+            raise serializers.ValidationError("messages must be a non-empty list.")
+        out: list[dict[str, str]] = []
+        for i, message in enumerate(data):
+            if not isinstance(message, dict):
+                raise serializers.ValidationError(f"messages[{i}] must be an object.")
+            role = message.get("role")
+            if role == "tool" or "tool_calls" in message or "function_call" in message:
+                raise serializers.ValidationError(f"messages[{i}]: tool calls are not supported.")
+            if role not in _ROLES:
+                raise serializers.ValidationError(
+                    f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}."
+                )
+            out.append({"role": "system" if role == "developer" else role, "content": _text(message, i)})
+        return out
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+def _text(message: dict, i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise serializers.ValidationError(f"messages[{i}].content: only text parts are supported.")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise serializers.ValidationError(f"messages[{i}].content must be a string or a list of text parts.")
+
+
+class StreamOptionsSerializer(serializers.Serializer):
+    include_usage = serializers.BooleanField(required=False, default=False)
+
+
+class SamplingInputSerializer(serializers.Serializer):
+    """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
+
+    model = serializers.CharField(max_length=200)
+    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
+    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=MAX_N)
+    stop = StopField(required=False, allow_null=True)
+    seed = serializers.IntegerField(required=False, allow_null=True)
+    presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
+    frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
+    stream = serializers.BooleanField(required=False, allow_null=True, default=False)
+    stream_options = StreamOptionsSerializer(required=False, allow_null=True)
+    # vLLM's extras.
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=-1)
+    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    repetition_penalty = serializers.FloatField(required=False, allow_null=True, min_value=0.0)
+    min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    ignore_eos = serializers.BooleanField(required=False, allow_null=True)
+    logit_bias = serializers.DictField(required=False, allow_null=True)
+
+    def validate_top_p(self, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise serializers.ValidationError("top_p must be greater than 0.")
+        return value
+
+    def validate_repetition_penalty(self, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise serializers.ValidationError("repetition_penalty must be greater than 0.")
+        return value
+
+    def validate_logit_bias(self, value: dict | None) -> dict | None:
+        if value:
+            raise serializers.ValidationError("logit_bias is not supported.")
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        if attrs.get("stream_options") is not None and not attrs.get("stream"):
+            raise serializers.ValidationError(
+                {"stream_options": "stream_options is only allowed when stream is true."}
+            )
+        return attrs
+
+
+def refuse_unsupported(body: dict, known: set[str]) -> None:
+    """Raise a ValidationError naming the first field that is unsupported or unknown."""
+    for name in body:
+        if name in known or name in IGNORED_FIELDS:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            raise serializers.ValidationError({name: f"{name} is not supported by this server."})
+        raise serializers.ValidationError({name: f"Unrecognized request argument supplied: {name}"})

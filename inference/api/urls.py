@@ -1,0 +1,11 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from inference.api.views import ChatCompletionCreateApi, CompletionCreateApi, ModelListApi
+
+urlpatterns = [
+    path("models", ModelListApi.as_view(), name="v1-models"),
+    path("completions", CompletionCreateApi.as_view(), name="v1-completions"),
+    path("chat/completions", ChatCompletionCreateApi.as_view(), name="v1-chat-completions"),
+]

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class InferenceConfig(AppConfig):
+    name = "inference"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from inference.metrics import register_engine_collector
+
+        register_engine_collector()

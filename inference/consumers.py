@@ -1,0 +1,170 @@
+"""Websocket streaming: `/ws/v1/chat`.
+
+Authenticate with a tenant API key, either as a subprotocol `pagoda.bearer.<key>` (offer
+`pagoda.v1` beside it, so the server never echoes the key back) or in the first message
+`{"type": "auth", "api_key": ...}`. Then, any number of concurrent streams, each with its id:
+
+  -> {"type": "chat", "id": "<client id>", "request": {...chat completions body...}}
+  <- {"type": "delta", "id", "index", "content", "logprobs"?}
+  <- {"type": "done", "id", "usage", "finish_reason", "choices": [{"index", "finish_reason"}]}
+  <- {"type": "error", "id", "error": {"message", "type", "param", "code"}}
+  -> {"type": "cancel", "id"}     <- {"type": "cancelled", "id", "usage"}
+
+Admission, settlement and the ledger are those of the REST API (the same Generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from inference import metrics
+from inference.api.base import parse_body_data
+from inference.api.formatting import chat_logprobs, usage_body
+from inference.api.views import ChatCompletionCreateApi
+from inference.services import ChoiceDelta, ChoiceFinished, Generation, chat_plan_create, new_request_id
+from tenants.errors import AuthenticationError, InvalidRequestError, PlatformError
+from tenants.types import AuthContext
+
+logger = logging.getLogger(__name__)
+
+SUBPROTOCOL = "pagoda.v1"
+BEARER_SUBPROTOCOL_PREFIX = "pagoda.bearer."
+MAX_STREAMS_PER_CONNECTION = 16
+CLOSE_UNAUTHENTICATED = 4401
+
+
+class ChatConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self) -> None:
+        self.auth: AuthContext | None = None
+        self.streams: dict[str, asyncio.Task] = {}
+        offered = list(self.scope.get("subprotocols") or [])
+        bearer = next((p for p in offered if p.startswith(BEARER_SUBPROTOCOL_PREFIX)), None)
+        if bearer is None:
+            await self.accept(SUBPROTOCOL if SUBPROTOCOL in offered else None)
+            return
+        # Browsers fail the handshake unless the server picks an offered subprotocol.
+        await self.accept(SUBPROTOCOL if SUBPROTOCOL in offered else bearer)
+        await self._authenticate(bearer[len(BEARER_SUBPROTOCOL_PREFIX):])
+
+    async def disconnect(self, code: int) -> None:
+        tasks = list(self.streams.values())
+        for task in tasks:
+            task.cancel()
+        # Each generation settles in its own finally; wait for that before the consumer goes.
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs) -> None:
+        try:
+            content = json.loads(text_data or bytes_data or b"")
+        except ValueError:
+            await self._error(None, InvalidRequestError("Messages must be JSON objects.", code="invalid_json"))
+            return
+        if not isinstance(content, dict):
+            await self._error(None, InvalidRequestError("Messages must be JSON objects."))
+            return
+        await self.receive_json(content)
+
+    async def receive_json(self, content: dict[str, Any], **kwargs) -> None:
+        kind = content.get("type")
+        if kind == "auth":
+            await self._authenticate(content.get("api_key"))
+        elif self.auth is None:
+            await self._error(content.get("id"), AuthenticationError("Authenticate first: send {\"type\": \"auth\", \"api_key\": ...}."))
+        elif kind == "chat":
+            await self._start(content.get("id"), content.get("request"))
+        elif kind == "cancel":
+            task = self.streams.get(str(content.get("id")))
+            if task is not None:
+                task.cancel()
+        else:
+            await self._error(content.get("id"), InvalidRequestError(f"Unknown message type {kind!r}.", param="type"))
+
+    async def _authenticate(self, raw_key: Any) -> None:
+        from inference.api.auth import authenticate_key
+
+        try:
+            if not isinstance(raw_key, str) or not raw_key:
+                raise AuthenticationError("api_key is required.")
+            self.auth = await authenticate_key(raw_key)
+        except PlatformError as exc:
+            await self._error(None, exc)
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        await self.send_json({"type": "authenticated"})
+
+    async def _start(self, stream_id: Any, body: Any) -> None:
+        if not isinstance(stream_id, str) or not stream_id:
+            await self._error(None, InvalidRequestError("Each chat message needs a string id.", param="id"))
+        elif stream_id in self.streams:
+            await self._error(stream_id, InvalidRequestError(f"Stream {stream_id!r} is already running.", param="id"))
+        elif len(self.streams) >= MAX_STREAMS_PER_CONNECTION:
+            await self._error(stream_id, InvalidRequestError(
+                f"At most {MAX_STREAMS_PER_CONNECTION} concurrent streams per connection.", param="id"))
+        else:
+            self.streams[stream_id] = asyncio.create_task(self._run(stream_id, body))
+
+    async def _run(self, stream_id: str, body: Any) -> None:
+        try:
+            await self._generate(stream_id, body)
+        except asyncio.CancelledError:
+            pass  # cancelled before admission: nothing was reserved
+        finally:
+            self.streams.pop(stream_id, None)
+
+    async def _generate(self, stream_id: str, body: Any) -> None:
+        started = time.perf_counter()
+        plan = None
+        try:
+            data = parse_body_data(body, ChatCompletionCreateApi.InputSerializer)
+            data["stream"] = False  # the websocket streams by itself; SSE options do not apply
+            data.pop("stream_options", None)
+            plan = await sync_to_async(chat_plan_create)(auth=self.auth, data=data, request_id=new_request_id())
+            generation = Generation(auth=self.auth, plan=plan, started_at=started)
+            events = generation.run()
+            await anext(events)
+        except PlatformError as exc:
+            metrics.record_refused(tenant=self.auth.tenant_slug, model=plan.model if plan else None, code=exc.code)
+            await self._error(stream_id, exc)
+            return
+        reasons: dict[int, str] = {}
+        try:
+            async for item in events:
+                if isinstance(item, ChoiceDelta) and (item.text or item.token_ids):
+                    message = {"type": "delta", "id": stream_id, "index": item.index, "content": item.text}
+                    if plan.logprobs is not None:
+                        message["logprobs"] = chat_logprobs(plan, item.logprobs)
+                    await self.send_json(message)
+                elif isinstance(item, ChoiceFinished):
+                    reasons[item.index] = item.finish_reason
+        except asyncio.CancelledError:
+            # run()'s finally has settled by now; the usage is what the tenant is billed.
+            await self._send_quietly({"type": "cancelled", "id": stream_id, "request_id": plan.request_id,
+                                      "usage": usage_body(generation.usage)})
+            return
+        except PlatformError as exc:
+            await self._error(stream_id, exc)
+            return
+        await self.send_json({
+            "type": "done",
+            "id": stream_id,
+            "request_id": plan.request_id,
+            "usage": usage_body(generation.usage),
+            "finish_reason": reasons.get(0),
+            "choices": [{"index": i, "finish_reason": r} for i, r in sorted(reasons.items())],
+        })
+
+    async def _send_quietly(self, message: dict) -> None:
+        try:
+            await self.send_json(message)
+        except Exception:  # the socket may be gone already (disconnect cancels every stream)
+            pass
+
+    async def _error(self, stream_id: Any, exc: PlatformError) -> None:
+        await self._send_quietly({"type": "error", "id": stream_id, **exc.as_body()})

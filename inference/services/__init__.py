@@ -1,0 +1,24 @@
+"""Serving-path services. Views and consumers import from here."""
+
+from __future__ import annotations
+
+from inference.services.generation import (
+    ChoiceDelta,
+    ChoiceFinished,
+    Generation,
+    GenerationUsage,
+    collect_choices,
+)
+from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create, new_request_id
+
+__all__ = [
+    "ChoiceDelta",
+    "ChoiceFinished",
+    "Generation",
+    "GenerationPlan",
+    "GenerationUsage",
+    "chat_plan_create",
+    "collect_choices",
+    "completion_plan_create",
+    "new_request_id",
+]

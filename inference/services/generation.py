@@ -1,0 +1,293 @@
+"""One admitted generation, from reservation to ledger row.
+
+`Generation.run()` is an async generator: it checks that an engine serves the model, reserves the
+tokens (raising before anything is queued), queues one engine request per prompt, yields `None`
+once queued, then the choices' deltas and finishes as they arrive. Whatever ends it (finished,
+client gone, engine failure) its `finally` signals an abort for unfinished engine requests,
+settles the reservation to the tokens actually produced and writes the one ledger row, shielded
+from a second cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from asgiref.sync import sync_to_async
+
+from engine.protocol import Event, GenerateRequest
+from inference import metrics
+from inference.gateway import EngineGateway, get_gateway, live_replica_ids_async, replica_is_live_async
+from inference.services.plans import GenerationPlan
+from tenants.errors import InvalidRequestError, PlatformError, ServiceUnavailableError
+from tenants.services import admission_reserve, admission_settle, usage_record_create
+from tenants.types import AuthContext, Reservation
+
+logger = logging.getLogger(__name__)
+
+# How long one blocking read waits before the replica serving the request is checked for life.
+POLL_MS = 500
+_CLIENT_ERROR_CODES = {"invalid_request", "request_too_large", "context_length_exceeded"}
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(slots=True)
+class ChoiceFinished:
+    index: int
+    finish_reason: str  # stop | length
+
+
+@dataclass(slots=True)
+class GenerationUsage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def engine_unavailable(model: str) -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        f"No engine is serving the model `{model}` right now. Please retry shortly.",
+        code="engine_unavailable",
+    )
+
+
+def _engine_error(event: Event) -> PlatformError:
+    message = event.message or "The engine failed while generating."
+    if event.code in _CLIENT_ERROR_CODES:
+        return InvalidRequestError(message, code=event.code)
+    return PlatformError(message, code=event.code or "engine_error")
+
+
+@dataclass
+class Generation:
+    auth: AuthContext
+    plan: GenerationPlan
+    started_at: float = field(default_factory=time.perf_counter)
+    gateway: EngineGateway = field(default_factory=get_gateway)
+    reservation: Reservation | None = None
+    usage: GenerationUsage = field(init=False)
+    status: str = "error"
+    error_code: str | None = None
+    _pending: set[str] = field(default_factory=set)
+    _replicas: dict[str, str] = field(default_factory=dict)
+    _engine_usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    _produced: int = 0
+    _first_token_at: float | None = None
+    _last_token_at: float | None = None
+    _gaps: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.usage = GenerationUsage(prompt_tokens=self.plan.prompt_tokens)
+
+    @property
+    def ratelimit_headers(self) -> dict[str, str]:
+        return dict(self.reservation.ratelimit_headers) if self.reservation else {}
+
+    async def run(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished | None]:
+        plan = self.plan
+        # Refusals happen before the reservation: nothing is counted, queued or written for them.
+        if not await live_replica_ids_async(plan.model):
+            raise engine_unavailable(plan.model)
+        self.reservation = await sync_to_async(admission_reserve)(
+            auth=self.auth,
+            model=plan.model,
+            prompt_tokens=plan.prompt_tokens,
+            max_tokens=plan.max_completion_tokens,
+            request_id=plan.request_id,
+        )
+        try:
+            await self._submit()
+            yield None
+            async for item in self._events():
+                yield item
+            self.status = "success"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.status = "cancelled"
+            raise
+        except PlatformError as exc:
+            self.status, self.error_code = "error", exc.code
+            raise
+        except BaseException:
+            self.status, self.error_code = "error", "internal_error"
+            raise
+        finally:
+            # A task, so that a second cancellation of this one cannot interrupt the bookkeeping.
+            await asyncio.shield(asyncio.ensure_future(self._finish()))
+
+    async def _submit(self) -> None:
+        plan = self.plan
+        now = time.time()
+        for rid, prompt in zip(plan.engine_request_ids, plan.prompts, strict=True):
+            self._pending.add(rid)
+            await self.gateway.submit(
+                GenerateRequest(
+                    request_id=rid,
+                    model=plan.model,
+                    prompt_token_ids=prompt,
+                    sampling_params=dict(plan.sampling_params),
+                    tenant=self.auth.tenant_slug,
+                    # The prefix cache is shared within a tenant only; the body has no say in it.
+                    cache_salt=f"tenant:{self.auth.tenant_id}",
+                    created_at=now,
+                )
+            )
+
+    async def _events(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished]:
+        plan = self.plan
+        offsets = {rid: i * plan.n for i, rid in enumerate(plan.engine_request_ids)}
+        positions = {rid: "0-0" for rid in plan.engine_request_ids}
+        finished: dict[str, set[int]] = {rid: set() for rid in plan.engine_request_ids}
+        while self._pending:
+            reading = {rid: positions[rid] for rid in self._pending}
+            batch = await self.gateway.read(reading, block_ms=POLL_MS)
+            positions.update(reading)
+            if not batch:
+                await self._check_alive()
+                continue
+            for rid, event in batch:
+                if rid not in self._pending:
+                    continue
+                if event.replica:
+                    self._replicas[rid] = event.replica
+                if event.type == "error":
+                    raise _engine_error(event)
+                if event.type == "delta":
+                    for out in event.outputs:
+                        token_ids = list(out.get("token_ids") or [])
+                        self._on_tokens(len(token_ids))
+                        yield ChoiceDelta(
+                            index=offsets[rid] + int(out["index"]),
+                            text=out.get("text") or "",
+                            token_ids=token_ids,
+                            logprobs=out.get("logprobs"),
+                        )
+                    continue
+                for out in event.outputs:
+                    reason = out.get("finish_reason")
+                    if reason not in ("stop", "length"):
+                        raise PlatformError(f"The engine ended the request ({reason}).", code="engine_error")
+                    finished[rid].add(int(out["index"]))
+                    yield ChoiceFinished(index=offsets[rid] + int(out["index"]), finish_reason=reason)
+                if event.usage is not None:
+                    self._engine_usage[rid] = event.usage
+                if event.usage is not None or len(finished[rid]) >= plan.n:
+                    self._pending.discard(rid)
+
+    def _on_tokens(self, count: int) -> None:
+        if not count:
+            return
+        now = time.perf_counter()
+        if self._first_token_at is None:
+            self._first_token_at = now
+        elif self._last_token_at is not None:
+            self._gaps.append(now - self._last_token_at)
+        self._last_token_at = now
+        self._produced += count
+
+    async def _check_alive(self) -> None:
+        """Fail instead of hanging when the replica holding a request died. A request no replica
+        has started yet keeps waiting while any replica lives: a dead replica's queue is reclaimed
+        by a live one."""
+        model = self.plan.model
+        for rid in list(self._pending):
+            replica = self._replicas.get(rid)
+            if replica is not None:
+                if not await replica_is_live_async(model, replica):
+                    raise ServiceUnavailableError(
+                        "The engine replica serving this request stopped.", code="engine_unavailable"
+                    )
+            elif not await live_replica_ids_async(model):
+                raise engine_unavailable(model)
+
+    async def _finish(self) -> None:
+        plan = self.plan
+        try:
+            if self._pending:
+                await self.gateway.cancel(model=plan.model, request_ids=sorted(self._pending))
+        except Exception:
+            logger.exception("could not signal the abort of %s", plan.request_id)
+        engine_completion = sum(u.get("completion_tokens", 0) for u in self._engine_usage.values())
+        # Finished: the engine's count. Cancelled or failed: what was produced and delivered.
+        self.usage.completion_tokens = engine_completion if self.status == "success" else self._produced
+        self.usage.cached_tokens = sum(u.get("cached_tokens", 0) for u in self._engine_usage.values())
+        latency = time.perf_counter() - self.started_at
+        ttft = None if self._first_token_at is None else self._first_token_at - self.started_at
+        try:
+            await sync_to_async(self._settle_and_record)(ttft, latency)
+        except Exception:
+            logger.exception("could not settle %s", plan.request_id)
+        metrics.record_finished(
+            tenant=self.auth.tenant_slug,
+            model=plan.model,
+            status=self.status,
+            prompt_tokens=self.usage.prompt_tokens,
+            completion_tokens=self.usage.completion_tokens,
+            cached_tokens=self.usage.cached_tokens,
+            ttft_s=ttft,
+            itl_s=self._gaps,
+            latency_s=latency,
+            error_code=self.error_code,
+        )
+
+    def _settle_and_record(self, ttft: float | None, latency: float) -> None:
+        assert self.reservation is not None
+        try:
+            admission_settle(
+                reservation=self.reservation,
+                prompt_tokens=self.usage.prompt_tokens,
+                completion_tokens=self.usage.completion_tokens,
+            )
+        finally:
+            usage_record_create(
+                tenant_id=self.auth.tenant_id,
+                api_key_id=self.auth.api_key_id,
+                model=self.plan.model,
+                adapter=None,
+                prompt_tokens=self.usage.prompt_tokens,
+                completion_tokens=self.usage.completion_tokens,
+                cached_tokens=self.usage.cached_tokens,
+                time_to_first_token_ms=None if ttft is None else ttft * 1000.0,
+                latency_ms=latency * 1000.0,
+                status=self.status,
+                request_id=self.plan.request_id,
+            )
+
+
+@dataclass(slots=True)
+class CollectedChoice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def collect_choices(
+    events: AsyncIterator[ChoiceDelta | ChoiceFinished | None], *, count: int
+) -> list[CollectedChoice]:
+    """Drain a generation into its `count` choices (non-streaming responses)."""
+    choices = [CollectedChoice(index=i) for i in range(count)]
+    async for item in events:
+        if isinstance(item, ChoiceDelta):
+            choice = choices[item.index]
+            choice.text += item.text
+            choice.token_ids.extend(item.token_ids)
+            choice.logprobs.extend(item.logprobs or [])
+        elif isinstance(item, ChoiceFinished):
+            choices[item.index].finish_reason = item.finish_reason
+    return choices

@@ -1,0 +1,166 @@
+"""Turn a validated API body into a GenerationPlan: the deployment, the prompt token ids, the
+engine's sampling parameters, and the token counts admission reserves."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference import tokenization
+from inference.selectors import deployment_get_enabled
+from tenants.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
+from tenants.services import model_access_check
+from tenants.types import AuthContext
+
+# Body fields copied to the engine's sampling parameters as they are (None: the engine default).
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "min_tokens",
+)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class GenerationPlan:
+    kind: str  # chat | completion
+    request_id: str
+    model: str
+    model_path: str
+    max_model_len: int
+    prompts: list[list[int]]  # one engine request per prompt
+    n: int
+    max_tokens: int
+    sampling_params: dict[str, Any]
+    logprobs: int | None = None  # top logprobs per token; None: none returned
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def max_completion_tokens(self) -> int:
+        return self.max_tokens * self.n * len(self.prompts)
+
+    @property
+    def engine_request_ids(self) -> list[str]:
+        if len(self.prompts) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+
+
+def _deployment(*, auth: AuthContext, model: str):
+    # Access first, then existence, with the same error: a tenant must not learn which models exist.
+    model_access_check(auth=auth, model=model)
+    deployment = deployment_get_enabled(name=model)
+    if deployment is None:
+        raise model_not_found(model)
+    return deployment
+
+
+def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, param: str) -> None:
+    if prompt_len + max_tokens > deployment.max_model_len:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {deployment.max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in "
+            f"the completion). Please reduce the length of the {what} or completion.",
+            param=param,
+        )
+
+
+def _sampling(data: dict[str, Any], *, n: int, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    params: dict[str, Any] = {name: data[name] for name in _SAMPLING_FIELDS if data.get(name) is not None}
+    params.update(n=n, max_tokens=max_tokens, stop=list(data.get("stop") or []))
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    if params.get("min_tokens", 0) > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({params['min_tokens']}) must be at most max_tokens ({max_tokens}).",
+            param="min_tokens",
+        )
+    return params
+
+
+def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(data.get("stream"))
+    include_usage = bool(stream and (data.get("stream_options") or {}).get("include_usage"))
+    return stream, include_usage
+
+
+def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
+    deployment = _deployment(auth=auth, model=data["model"])
+    prompt = tokenization.chat_prompt_ids(deployment.model_path, data["messages"])
+    requested = data.get("max_completion_tokens") or data.get("max_tokens")
+    # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
+    max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
+    _check_context(
+        deployment=deployment, prompt_len=len(prompt), max_tokens=max_tokens, what="messages", param="messages"
+    )
+    n = data.get("n") or 1
+    logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
+    stream, include_usage = _stream_flags(data)
+    return GenerationPlan(
+        kind="chat",
+        request_id=request_id,
+        model=deployment.name,
+        model_path=deployment.model_path,
+        max_model_len=deployment.max_model_len,
+        prompts=[prompt],
+        n=n,
+        max_tokens=max_tokens,
+        sampling_params=_sampling(data, n=n, max_tokens=max_tokens, logprobs=logprobs),
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
+    deployment = _deployment(auth=auth, model=data["model"])
+    vocab = tokenization.vocab_size(deployment.model_path)
+    prompts: list[list[int]] = []
+    for prompt in data["prompt"]:
+        if isinstance(prompt, str):
+            prompts.append(tokenization.text_prompt_ids(deployment.model_path, prompt))
+        else:
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
+            prompts.append(prompt)
+    max_tokens = data.get("max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
+    for prompt in prompts:
+        _check_context(
+            deployment=deployment, prompt_len=len(prompt), max_tokens=max_tokens, what="prompt", param="prompt"
+        )
+    n = data.get("n") or 1
+    logprobs = data.get("logprobs")
+    stream, include_usage = _stream_flags(data)
+    return GenerationPlan(
+        kind="completion",
+        request_id=request_id,
+        model=deployment.name,
+        model_path=deployment.model_path,
+        max_model_len=deployment.max_model_len,
+        prompts=prompts,
+        n=n,
+        max_tokens=max_tokens,
+        sampling_params=_sampling(data, n=n, max_tokens=max_tokens, logprobs=logprobs),
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=include_usage,
+    )

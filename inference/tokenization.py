@@ -1,0 +1,61 @@
+"""Tokenizers of served models, loaded once per process from the model directory (offline).
+
+The web tier tokenizes to check the context length and to reserve tokens before anything is
+queued; the engine receives token ids, so both sides agree on the prompt by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from tenants.errors import InvalidRequestError, ServiceUnavailableError
+
+_load_lock = threading.Lock()
+
+
+@functools.cache
+def _load(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+def get_tokenizer(model_path: str) -> Any:
+    # The lock keeps concurrent first requests from loading the same tokenizer several times.
+    with _load_lock:
+        try:
+            return _load(model_path)
+        except OSError as exc:
+            raise ServiceUnavailableError(f"The model's tokenizer could not be loaded: {exc}") from exc
+
+
+def chat_prompt_ids(model_path: str, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the conversation rendered by the model's chat template, ready for the
+    assistant's turn. The template adds the special tokens itself."""
+    tokenizer = get_tokenizer(model_path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "This model has no chat template; use /v1/completions.", param="messages"
+        )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def text_prompt_ids(model_path: str, text: str) -> list[int]:
+    return list(get_tokenizer(model_path).encode(text, add_special_tokens=True))
+
+
+def vocab_size(model_path: str) -> int:
+    return len(get_tokenizer(model_path))
+
+
+@functools.lru_cache(maxsize=65536)
+def _token_text(model_path: str, token_id: int) -> str:
+    return get_tokenizer(model_path).decode([token_id])
+
+
+def token_text(model_path: str, token_id: int) -> str:
+    """The text of one token as OpenAI's logprobs show it."""
+    return _token_text(model_path, token_id)
