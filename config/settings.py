@@ -62,6 +62,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "config.middleware.RequestMetricsMiddleware",
+    "config.middleware.ApiErrorShapeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -119,6 +120,9 @@ CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}
 
 CELERY_BROKER_URL = envstr("CELERY_BROKER_URL", REDIS_URL.replace("unix://", "redis+socket://"))
 CELERY_RESULT_BACKEND = None
+# The broker's queues are Redis keys too: under the prefix, deployments (and test runs) sharing a
+# server never take each other's tasks.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": REDIS_PREFIX}
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -129,6 +133,8 @@ CELERY_BEAT_SCHEDULE: dict = {
         "task": "tenants.tasks.usage_rollup_recent",
         "schedule": envfloat("PAGODA_USAGE_ROLLUP_EVERY_SECONDS", 300.0),
     },
+    # Adapters whose validation was never run (broker down at upload, worker lost mid-check).
+    "inference-adapter-validate-lost": {"task": "inference.tasks.adapter_validate_lost", "schedule": 300.0},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -175,6 +181,12 @@ API_KEY_CACHE_SECONDS = envint("PAGODA_API_KEY_CACHE_SECONDS", 30, minimum=0)
 ENGINE_HEARTBEAT_TTL = envfloat("PAGODA_ENGINE_HEARTBEAT_TTL", 5.0)
 REQUEST_CLAIM_TIMEOUT_MS = envint("PAGODA_REQUEST_CLAIM_TIMEOUT_MS", 15000, minimum=100)
 OUTPUT_STREAM_TTL = envint("PAGODA_OUTPUT_STREAM_TTL", 600, minimum=10)
+# LoRA adapters: the largest upload accepted (bytes, the archive's unpacked content included),
+# the highest rank accepted where a deployment's engine_settings name no max_lora_rank, and how
+# many adapters one tenant may keep (it also bounds the adapter label of the metrics).
+ADAPTER_MAX_BYTES = envint("PAGODA_ADAPTER_MAX_BYTES", 512 * 1024 * 1024, minimum=1)
+ADAPTER_MAX_RANK = envint("PAGODA_ADAPTER_MAX_RANK", 64, minimum=1)
+ADAPTER_MAX_PER_TENANT = envint("PAGODA_ADAPTER_MAX_PER_TENANT", 50, minimum=1)
 
 LOGGING = {
     "version": 1,

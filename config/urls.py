@@ -12,6 +12,7 @@ urlpatterns = [
     path("metrics", health.metrics),
     path("admin/", admin.site.urls),
     path("dashboard/", include("tenants.dashboard.urls")),
+    path("dashboard/", include("inference.dashboard.urls")),
     path("v1/", include("tenants.api.urls")),
     path("v1/", include("inference.api.urls")),
     # Add further /v1 routes ABOVE this line: this catch-all must stay the last /v1 pattern, so

@@ -1,12 +1,20 @@
-"""Admin for model deployments, with their live engine replicas read from the heartbeats."""
+"""Admin for model deployments (with their live engine replicas read from the heartbeats) and
+tenants' LoRA adapters (uploaded here through the same service as the API and the dashboard)."""
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db import transaction
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
 from django.utils.html import format_html, format_html_join
 
-from inference.models import ModelDeployment
-from inference.selectors import deployment_replicas
+from inference.forms import AdminAdapterUploadForm
+from inference.models import LoraAdapter, ModelDeployment
+from inference.selectors import deployment_list_enabled, deployment_replicas
+from inference.services.adapters import adapter_delete, adapter_revalidate, adapter_upload
+from tenants.errors import InvalidRequestError
 
 
 def _replica_rows(name: str):
@@ -56,3 +64,69 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
             "<th>prefix hit rate</th><th>free / total blocks</th></tr></thead><tbody>{}</tbody></table>",
             rows,
         )
+
+
+_UPLOAD_FIELDS = {"name": "name", "base_model": "base_model", "file": "files"}
+
+
+@admin.register(LoraAdapter)
+class LoraAdapterAdmin(admin.ModelAdmin):
+    list_display = ("name", "tenant", "base_model", "status", "rank", "size_bytes", "updated_at")
+    list_filter = ("status", "base_model", "tenant")
+    search_fields = ("name", "tenant__slug")
+    list_select_related = ("tenant", "base_model")
+    actions = ("revalidate_selected",)
+    upload_template = "admin/inference/loraadapter/upload.html"
+    readonly_fields = (
+        "tenant", "name", "base_model", "status", "failure_reason", "rank", "alpha", "target_modules",
+        "size_bytes", "version", "storage_path", "created_by", "created_at", "updated_at",
+    )
+    fields = readonly_fields
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False  # shown read-only: an adapter changes only by being uploaded again
+
+    def add_view(self, request, form_url="", extra_context=None):
+        """Adding an adapter is uploading one: files, not fields."""
+        if not self.has_add_permission(request):
+            raise PermissionDenied
+        base_models = [d.name for d in deployment_list_enabled()]
+        form = AdminAdapterUploadForm(request.POST or None, request.FILES or None, base_models=base_models)
+        if request.method == "POST" and form.is_valid():
+            try:
+                with transaction.atomic():
+                    adapter = adapter_upload(
+                        tenant=form.cleaned_data["tenant"],
+                        name=form.cleaned_data["name"],
+                        base_model=form.cleaned_data["base_model"],
+                        files=form.cleaned_data["files"],
+                        created_by=request.user,
+                    )
+            except InvalidRequestError as exc:
+                form.add_error(_UPLOAD_FIELDS.get(exc.param or ""), exc.message)
+            else:
+                self.log_addition(request, adapter, [{"added": {}}])
+                self.message_user(request, f"Adapter “{adapter.name}” was uploaded; it is being validated.")
+                return redirect("admin:inference_loraadapter_change", adapter.pk)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.model._meta,
+            "form": form,
+            "title": "Upload a LoRA adapter",
+        }
+        return TemplateResponse(request, self.upload_template, context, status=400 if form.errors else 200)
+
+    def delete_model(self, request, obj: LoraAdapter) -> None:
+        adapter_delete(tenant_id=obj.tenant_id, name=obj.name)
+
+    def delete_queryset(self, request, queryset) -> None:
+        for adapter in queryset.order_by("pk"):
+            adapter_delete(tenant_id=adapter.tenant_id, name=adapter.name)
+
+    @admin.action(description="Validate selected adapters again", permissions=["view"])
+    def revalidate_selected(self, request, queryset) -> None:
+        count = 0
+        for adapter in queryset.order_by("pk"):
+            adapter_revalidate(adapter=adapter)
+            count += 1
+        self.message_user(request, f"Validation scheduled for {count} adapter(s).", messages.SUCCESS)

@@ -1,8 +1,9 @@
 """Serving metrics for Prometheus.
 
 Labels stay bounded: tenant slug and served model name (a name that is not deployed is counted as
-"-", so a client cannot mint series by inventing model names), an error code from a fixed set,
-never a request id. Engine gauges are read from the replicas' heartbeats at scrape time.
+"-", so a client cannot mint series by inventing model names), an error code from a fixed set, the
+tenant's own ready adapters (capped per tenant), never a request id. Engine gauges are read from
+the replicas' heartbeats at scrape time.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ TIME_TO_FIRST_TOKEN = Histogram(
 INTER_TOKEN_LATENCY = Histogram(
     "pagoda_inter_token_latency_seconds", "Between successive token deliveries", _LABELS, buckets=_ITL_BUCKETS
 )
+# Requests naming a LoRA adapter, per adapter. Adapter names reach a label only once resolved to a
+# ready adapter of the caller's tenant, and a tenant keeps at most PAGODA_ADAPTER_MAX_PER_TENANT.
+ADAPTER_REQUESTS = Counter(
+    "pagoda_adapter_requests_total", "Generation requests that used a LoRA adapter", [*_LABELS, "adapter", "status"]
+)
+ADAPTER_TOKENS = Counter(
+    "pagoda_adapter_tokens_total", "Prompt plus completion tokens of requests that used a LoRA adapter",
+    [*_LABELS, "adapter"],
+)
 E2E_LATENCY = Histogram(
     "pagoda_e2e_request_latency_seconds", "From request arrival to its end", _LABELS, buckets=_LATENCY_BUCKETS
 )
@@ -53,8 +63,12 @@ def record_finished(
     itl_s: list[float],
     latency_s: float,
     error_code: str | None,
+    adapter: str | None = None,
 ) -> None:
     REQUESTS.labels(tenant, model, status).inc()
+    if adapter:
+        ADAPTER_REQUESTS.labels(tenant, model, adapter, status).inc()
+        ADAPTER_TOKENS.labels(tenant, model, adapter).inc(prompt_tokens + completion_tokens)
     PROMPT_TOKENS.labels(tenant, model).inc(prompt_tokens)
     COMPLETION_TOKENS.labels(tenant, model).inc(completion_tokens)
     CACHED_TOKENS.labels(tenant, model).inc(cached_tokens)

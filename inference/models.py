@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
@@ -49,3 +50,54 @@ class ModelDeployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+# Adapter names are the `model` of a request, a path segment of /v1/adapters/{name} and a directory
+# name on disk: no slash, no leading dot.
+ADAPTER_NAME_VALIDATOR = RegexValidator(
+    r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$",
+    "Letters, digits and . _ - only, starting with a letter or digit, at most 64 characters.",
+)
+
+
+class LoraAdapter(models.Model):
+    """A tenant's LoRA adapter (PEFT format) served on one base deployment.
+
+    `version` names the directory the current files live in; a re-upload writes a new version
+    directory and then switches the row to it, so readers never see half-written files."""
+
+    class Status(models.TextChoices):
+        UPLOADED = "uploaded", "Uploaded"
+        VALIDATING = "validating", "Validating"
+        READY = "ready", "Ready"
+        FAILED = "failed", "Failed"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="lora_adapters")
+    name = models.CharField(
+        max_length=64, validators=[ADAPTER_NAME_VALIDATOR], help_text="What clients put in `model`."
+    )
+    base_model = models.ForeignKey(ModelDeployment, on_delete=models.PROTECT, related_name="lora_adapters")
+    rank = models.PositiveIntegerField(null=True, blank=True)
+    alpha = models.FloatField(null=True, blank=True)
+    target_modules = models.JSONField(default=list, blank=True)
+    size_bytes = models.PositiveBigIntegerField(default=0)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.UPLOADED)
+    failure_reason = models.TextField(blank=True, default="")
+    version = models.CharField(max_length=32)
+    storage_path = models.CharField(max_length=500, help_text="Directory of the current version's files.")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["tenant_id", "name"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="lora_adapter_tenant_name_unique")]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_ready(self) -> bool:
+        return self.status == self.Status.READY

@@ -69,7 +69,7 @@ def chat_completion_body(
         "id": chat_id(plan),
         "object": "chat.completion",
         "created": plan.created,
-        "model": plan.model,
+        "model": plan.served_model,
         "system_fingerprint": None,
         "choices": [
             {
@@ -91,7 +91,7 @@ def text_completion_body(
         "id": completion_id(plan),
         "object": "text_completion",
         "created": plan.created,
-        "model": plan.model,
+        "model": plan.served_model,
         "system_fingerprint": None,
         "choices": [
             {
@@ -112,7 +112,7 @@ def chunk(plan: GenerationPlan, choices: list[dict[str, Any]], *, usage: Generat
         "id": chat_id(plan) if plan.kind == "chat" else completion_id(plan),
         "object": "chat.completion.chunk" if plan.kind == "chat" else "text_completion",
         "created": plan.created,
-        "model": plan.model,
+        "model": plan.served_model,
         "system_fingerprint": None,
         "choices": choices,
     }

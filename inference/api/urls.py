@@ -2,10 +2,13 @@ from __future__ import annotations
 
 from django.urls import path
 
+from inference.api.adapters import AdapterDetailApi, AdapterListCreateApi
 from inference.api.views import ChatCompletionCreateApi, CompletionCreateApi, ModelListApi
 
 urlpatterns = [
     path("models", ModelListApi.as_view(), name="v1-models"),
     path("completions", CompletionCreateApi.as_view(), name="v1-completions"),
     path("chat/completions", ChatCompletionCreateApi.as_view(), name="v1-chat-completions"),
+    path("adapters", AdapterListCreateApi.as_view(), name="v1-adapters"),
+    path("adapters/<str:name>", AdapterDetailApi.as_view(), name="v1-adapter-detail"),
 ]

@@ -12,7 +12,7 @@ from inference.api import formatting
 from inference.api.auth import authenticate_header
 from inference.api.base import ApiView, GenerationApi, error_json
 from inference.api.fields import MAX_LOGPROBS, MessagesField, PromptField, SamplingInputSerializer
-from inference.selectors import adapter_names_for_caller, deployment_list_for_caller
+from inference.selectors import adapter_list_servable, deployment_list_for_caller
 from inference.services import chat_plan_create, completion_plan_create, new_request_id
 from tenants.errors import PlatformError
 
@@ -23,13 +23,23 @@ class ModelListApi(ApiView):
         try:
             auth = await authenticate_header(request.headers.get("Authorization"))
             deployments = await sync_to_async(deployment_list_for_caller)(auth=auth)
-            adapters = await sync_to_async(adapter_names_for_caller)(auth=auth)
+            adapters = await sync_to_async(adapter_list_servable)(auth=auth)
         except PlatformError as exc:
             return error_json(exc, request_id)
         data = [
             {"id": d.name, "object": "model", "created": int(d.created_at.timestamp()), "owned_by": "pagoda"}
             for d in deployments
-        ] + [{"id": name, "object": "model", "created": 0, "owned_by": auth.tenant_slug} for name in adapters]
+        ] + [
+            # As vLLM lists LoRA modules: the adapter by name, its base model as parent.
+            {
+                "id": a.name,
+                "object": "model",
+                "created": int(a.created_at.timestamp()),
+                "owned_by": auth.tenant_slug,
+                "parent": a.base_model.name,
+            }
+            for a in adapters
+        ]
         response = JsonResponse({"object": "list", "data": data})
         response["x-request-id"] = request_id
         return response

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from inference.services.deployments import ModelDirectoryError, deployment_register, model_context_limit
 from inference.services.generation import (
     ChoiceDelta,
     ChoiceFinished,
@@ -17,8 +18,11 @@ __all__ = [
     "Generation",
     "GenerationPlan",
     "GenerationUsage",
+    "ModelDirectoryError",
     "chat_plan_create",
     "collect_choices",
     "completion_plan_create",
+    "deployment_register",
+    "model_context_limit",
     "new_request_id",
 ]

@@ -143,6 +143,7 @@ class Generation:
                     tenant=self.auth.tenant_slug,
                     # The prefix cache is shared within a tenant only; the body has no say in it.
                     cache_salt=f"tenant:{self.auth.tenant_id}",
+                    lora=plan.lora,
                     created_at=now,
                 )
             )
@@ -234,6 +235,7 @@ class Generation:
         metrics.record_finished(
             tenant=self.auth.tenant_slug,
             model=plan.model,
+            adapter=plan.adapter,
             status=self.status,
             prompt_tokens=self.usage.prompt_tokens,
             completion_tokens=self.usage.completion_tokens,
@@ -257,7 +259,7 @@ class Generation:
                 tenant_id=self.auth.tenant_id,
                 api_key_id=self.auth.api_key_id,
                 model=self.plan.model,
-                adapter=None,
+                adapter=self.plan.adapter,
                 prompt_tokens=self.usage.prompt_tokens,
                 completion_tokens=self.usage.completion_tokens,
                 cached_tokens=self.usage.cached_tokens,

@@ -8,10 +8,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.protocol import LoRARef
 from inference import tokenization
-from inference.selectors import deployment_get_enabled
+from inference.models import LoraAdapter, ModelDeployment
+from inference.selectors import adapter_get_servable, deployment_get_enabled
 from tenants.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
-from tenants.services import model_access_check
 from tenants.types import AuthContext
 
 # Body fields copied to the engine's sampling parameters as they are (None: the engine default).
@@ -38,7 +39,7 @@ def new_request_id() -> str:
 class GenerationPlan:
     kind: str  # chat | completion
     request_id: str
-    model: str
+    model: str  # the base deployment: its engines serve the request, admission counts against it
     model_path: str
     max_model_len: int
     prompts: list[list[int]]  # one engine request per prompt
@@ -48,7 +49,14 @@ class GenerationPlan:
     logprobs: int | None = None  # top logprobs per token; None: none returned
     stream: bool = False
     include_usage: bool = False
+    adapter: str | None = None  # the tenant's LoRA adapter the request named, if any
+    lora: LoRARef | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def served_model(self) -> str:
+        """What the request named and the response echoes: the adapter, or the base model."""
+        return self.adapter or self.model
 
     @property
     def prompt_tokens(self) -> int:
@@ -65,13 +73,37 @@ class GenerationPlan:
         return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
 
 
-def _deployment(*, auth: AuthContext, model: str):
-    # Access first, then existence, with the same error: a tenant must not learn which models exist.
-    model_access_check(auth=auth, model=model)
-    deployment = deployment_get_enabled(name=model)
-    if deployment is None:
+@dataclass(frozen=True, slots=True)
+class _Target:
+    deployment: ModelDeployment
+    adapter: LoraAdapter | None = None
+
+    def plan_fields(self) -> dict[str, Any]:
+        deployment, adapter = self.deployment, self.adapter
+        fields: dict[str, Any] = {
+            "model": deployment.name, "model_path": deployment.model_path, "max_model_len": deployment.max_model_len,
+        }
+        if adapter is not None:
+            fields["adapter"] = adapter.name
+            fields["lora"] = LoRARef(name=adapter.name, path=adapter.storage_path, version=adapter.version)
+        return fields
+
+
+def _resolve(*, auth: AuthContext, model: str) -> _Target:
+    """A base model the caller may use, or the name of one of the caller's own ready adapters.
+
+    Adapter names are looked up in the caller's tenant only: another tenant's adapter is
+    model_not_found exactly as a name that does not exist. A base model wins over an adapter of
+    the same name (uploads refuse such names, but a tenant may be granted the model later)."""
+    if model in auth.allowed_models:
+        deployment = deployment_get_enabled(name=model)
+        if deployment is None:
+            raise model_not_found(model)
+        return _Target(deployment)
+    adapter = adapter_get_servable(auth=auth, name=model)
+    if adapter is None:
         raise model_not_found(model)
-    return deployment
+    return _Target(adapter.base_model, adapter)
 
 
 def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, param: str) -> None:
@@ -104,7 +136,8 @@ def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
-    deployment = _deployment(auth=auth, model=data["model"])
+    target = _resolve(auth=auth, model=data["model"])
+    deployment = target.deployment
     prompt = tokenization.chat_prompt_ids(deployment.model_path, data["messages"])
     requested = data.get("max_completion_tokens") or data.get("max_tokens")
     # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
@@ -118,9 +151,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
     return GenerationPlan(
         kind="chat",
         request_id=request_id,
-        model=deployment.name,
-        model_path=deployment.model_path,
-        max_model_len=deployment.max_model_len,
+        **target.plan_fields(),
         prompts=[prompt],
         n=n,
         max_tokens=max_tokens,
@@ -132,7 +163,8 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
 
 
 def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
-    deployment = _deployment(auth=auth, model=data["model"])
+    target = _resolve(auth=auth, model=data["model"])
+    deployment = target.deployment
     vocab = tokenization.vocab_size(deployment.model_path)
     prompts: list[list[int]] = []
     for prompt in data["prompt"]:
@@ -153,9 +185,7 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
     return GenerationPlan(
         kind="completion",
         request_id=request_id,
-        model=deployment.name,
-        model_path=deployment.model_path,
-        max_model_len=deployment.max_model_len,
+        **target.plan_fields(),
         prompts=prompts,
         n=n,
         max_tokens=max_tokens,

@@ -12,6 +12,12 @@ import pytest
 from inference.models import ModelDeployment
 from tenants.models import ApiKey, Tenant
 from tests.inference.fakes import FakeEngine
+from tests.inference.peft_adapters import (  # noqa: F401 - fixtures of the adapter tests
+    adapters_dir,
+    celery_eager,
+    media_root,
+    world_in_transaction,
+)
 
 MAX_MODEL_LEN = 256
 

@@ -1,0 +1,1 @@
+"""Dashboard pages of the inference app (LoRA adapters), in the tenant dashboard's layout."""

@@ -1,0 +1,189 @@
+"""Uploaded adapter files: the checks that refuse an upload outright (HTTP 400) and the copy into a
+staging directory.
+
+What is refused here leaves nothing behind: the caller stages into a fresh directory and removes it
+when this raises. Whether the files fit a base model is the validation task's question, not this.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO, Protocol
+
+from tenants.errors import InvalidRequestError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+# Loading any of these runs pickle, which executes code chosen by whoever wrote the file.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz")
+_CHUNK = 1024 * 1024
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+class Upload(Protocol):
+    """What Django's UploadedFile offers and the checks use."""
+
+    name: str | None
+    size: int | None
+
+    def chunks(self, chunk_size: int | None = None) -> Iterable[bytes]: ...
+
+    def seek(self, offset: int, whence: int = 0) -> int: ...
+
+
+class AdapterUploadError(InvalidRequestError):
+    code = "invalid_adapter_upload"
+    default_message = "The adapter upload is invalid."
+
+
+class AdapterTooLargeError(AdapterUploadError):
+    code = "adapter_too_large"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    dtype: str  # safetensors' names: F32, F16, BF16, I8, ...
+    shape: tuple[int, ...]
+
+
+def adapter_too_large(max_bytes: int) -> AdapterTooLargeError:
+    limit = f"{max_bytes / 2**20:g} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
+    return AdapterTooLargeError(f"The adapter is larger than the limit of {limit}.", param="file")
+
+
+def _refuse_pickle(name: str) -> None:
+    if name.lower().endswith(PICKLE_SUFFIXES):
+        raise AdapterUploadError(
+            f"`{name}` is a pickle file, which is never loaded here. Save the adapter as safetensors: "
+            "PEFT's save_pretrained(...) writes adapter_model.safetensors by default.",
+            param="file",
+            code="pickle_refused",
+        )
+
+
+def _usage_hint() -> str:
+    return f"Upload {CONFIG_NAME} and {WEIGHTS_NAME} (two files), or one .zip holding them."
+
+
+def stage_upload(*, files: Sequence[Upload], target: Path, max_bytes: int) -> int:
+    """Write the adapter's two files into `target` (an empty directory). Returns their total size."""
+    if not files:
+        raise AdapterUploadError(f"No file was uploaded. {_usage_hint()}", param="file")
+    names = [PurePosixPath((f.name or "").replace("\\", "/")).name for f in files]
+    for name in names:
+        _refuse_pickle(name)
+    if sum(f.size or 0 for f in files) > max_bytes:
+        raise adapter_too_large(max_bytes)
+    if len(files) == 1 and names[0].lower().endswith(".zip"):
+        total = _extract_zip(files[0], target=target, max_bytes=max_bytes)
+    else:
+        if sorted(names) != sorted([CONFIG_NAME, WEIGHTS_NAME]):
+            got = ", ".join(f"`{n}`" for n in names) or "none"
+            raise AdapterUploadError(f"Unexpected files ({got}). {_usage_hint()}", param="file")
+        budget = max_bytes
+        total = 0
+        for upload, name in zip(files, names, strict=True):
+            written = _copy(upload.chunks(_CHUNK), target / name, budget=budget, max_bytes=max_bytes)
+            budget -= written
+            total += written
+    read_safetensors_header(target / WEIGHTS_NAME)
+    return total
+
+
+def _copy(chunks: Iterable[bytes], dest: Path, *, budget: int, max_bytes: int) -> int:
+    """Copy, counting bytes as they come: declared sizes (multipart, zip headers) can lie."""
+    written = 0
+    with dest.open("xb") as out:
+        for chunk in chunks:
+            written += len(chunk)
+            if written > budget:
+                raise adapter_too_large(max_bytes)
+            out.write(chunk)
+    return written
+
+
+def _entry_escapes(info: zipfile.ZipInfo) -> bool:
+    name = info.filename
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    is_link = stat.S_ISLNK(info.external_attr >> 16)
+    return (
+        name.startswith(("/", "\\")) or "\\" in name or bool(_DRIVE.match(name)) or ".." in parts or is_link
+    )
+
+
+def _extract_zip(upload: Upload, *, target: Path, max_bytes: int) -> int:
+    upload.seek(0)
+    try:
+        archive = zipfile.ZipFile(upload)  # type: ignore[arg-type]
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise AdapterUploadError(f"The archive is not a valid zip file ({exc}).", param="file") from exc
+    with archive:
+        entries = [info for info in archive.infolist() if not info.is_dir()]
+        for info in archive.infolist():
+            if _entry_escapes(info):
+                raise AdapterUploadError(
+                    f"The archive entry `{info.filename}` points outside the archive's folder "
+                    "(an absolute path, `..`, or a link); the archive is refused.",
+                    param="file",
+                    code="unsafe_archive",
+                )
+        for info in entries:
+            _refuse_pickle(PurePosixPath(info.filename).name)
+        wanted = {
+            name: [i for i in entries if PurePosixPath(i.filename).name == name]
+            for name in (CONFIG_NAME, WEIGHTS_NAME)
+        }
+        if any(len(found) != 1 for found in wanted.values()):
+            raise AdapterUploadError(
+                f"The archive must hold exactly one {CONFIG_NAME} and one {WEIGHTS_NAME}. {_usage_hint()}",
+                param="file",
+            )
+        config, weights = wanted[CONFIG_NAME][0], wanted[WEIGHTS_NAME][0]
+        if PurePosixPath(config.filename).parent != PurePosixPath(weights.filename).parent:
+            raise AdapterUploadError(
+                f"{CONFIG_NAME} and {WEIGHTS_NAME} must be in the same folder of the archive.", param="file"
+            )
+        if config.flag_bits & 0x1 or weights.flag_bits & 0x1:
+            raise AdapterUploadError("Encrypted archives are not supported.", param="file")
+        if config.file_size + weights.file_size > max_bytes:
+            raise adapter_too_large(max_bytes)
+        budget, total = max_bytes, 0
+        for info, name in ((config, CONFIG_NAME), (weights, WEIGHTS_NAME)):
+            with archive.open(info) as member:
+                written = _copy(_read_chunks(member), target / name, budget=budget, max_bytes=max_bytes)
+            budget -= written
+            total += written
+        return total
+
+
+def _read_chunks(stream: BinaryIO) -> Iterable[bytes]:
+    while chunk := stream.read(_CHUNK):
+        yield chunk
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor names, dtypes and shapes from a safetensors header, without loading any tensor.
+
+    The safetensors library checks that the header is well-formed and that every tensor's byte
+    range lies inside the file; anything else (a pickle under the wrong name) is refused."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            return {
+                name: TensorInfo(
+                    dtype=handle.get_slice(name).get_dtype(), shape=tuple(handle.get_slice(name).get_shape())
+                )
+                for name in handle.keys()  # noqa: SIM118 - safe_open is not a mapping
+            }
+    except Exception as exc:  # the library raises its own error types, and OSError, for bad files
+        raise AdapterUploadError(
+            f"{WEIGHTS_NAME} is not a valid safetensors file ({exc}). Only safetensors weights are accepted.",
+            param="file",
+            code="invalid_safetensors",
+        ) from exc

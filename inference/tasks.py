@@ -1,0 +1,19 @@
+"""Celery tasks: thin wrappers around services, safe to run twice."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from inference.services import adapters
+
+
+@shared_task(name="inference.tasks.adapter_validate")
+def adapter_validate(adapter_id: int, version: str) -> str:
+    """Validate one stored adapter version (scheduled on commit of its upload)."""
+    return adapters.adapter_validate(adapter_id=adapter_id, version=version)
+
+
+@shared_task(name="inference.tasks.adapter_validate_lost")
+def adapter_validate_lost() -> int:
+    """Periodic: queue validation again for adapters whose result never came."""
+    return adapters.adapter_validate_lost()

@@ -1,0 +1,252 @@
+"""Serving tenant A's adapter by name, and tenant B (the outsider) who can neither see, use nor
+delete it. B may use the same base model, so tenancy is the only thing between B and the adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import AsyncClient, Client
+
+from engine.protocol import LoRARef
+from inference.models import LoraAdapter
+from inference.services.adapters import adapter_upload
+from tenants.models import UsageRecord
+from tenants.services import tenant_limits_update
+from tests.inference.peft_adapters import (
+    files_of,
+    files_on_disk,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NAME = "support-tone"
+HELLO = [("Hel", [11, 12]), ("lo!", [13])]
+
+
+@pytest.fixture
+def adapter_world(world, adapters_dir, media_root, celery_eager):
+    """A's ready adapter on the shared base model, which B may use too."""
+    tenant_limits_update(tenant=world.tenant_b, allowed_models=[world.model])
+    adapter = adapter_upload(
+        tenant=world.tenant_a, name=NAME, base_model=world.model, files=files_of(adapters_dir["good"])
+    )
+    adapter.refresh_from_db()
+    assert adapter.status == "ready"
+    world.adapter = adapter
+    return world
+
+
+def chat_body(model: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Hi there"}], **extra}
+
+
+async def chat(world, body: dict, raw_key: str | None = None):
+    return await AsyncClient().post(
+        "/v1/chat/completions",
+        json.dumps(body),
+        content_type="application/json",
+        headers=world.headers(raw_key),
+    )
+
+
+async def test_chat_naming_the_adapter_queues_the_base_model_request_with_its_lora(adapter_world):
+    world = adapter_world
+    await world.engine.heartbeat()
+    served = asyncio.create_task(world.engine.serve_one(HELLO))
+
+    response = await chat(world, chat_body(NAME, max_tokens=5))
+
+    assert response.status_code == 200
+    request = await served
+    adapter = world.adapter
+    assert request.model == world.model
+    assert request.lora == LoRARef(name=NAME, path=adapter.storage_path, version=adapter.version)
+    assert Path(request.lora.path) == Path(adapter.storage_path)
+    assert sorted(p.name for p in Path(request.lora.path).iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert request.cache_salt == f"tenant:{world.tenant_a.id}"
+    body = response.json()
+    assert body["model"] == NAME
+    assert body["choices"][0]["message"]["content"] == "Hello!"
+    rows = await sync_to_async(list)(
+        UsageRecord.objects.values_list("request_id", "model", "adapter", "status")
+    )
+    assert rows == [(response["x-request-id"], world.model, NAME, "success")]
+
+
+async def test_streamed_completion_naming_the_adapter_echoes_its_name(adapter_world):
+    world = adapter_world
+    await world.engine.heartbeat()
+    served = asyncio.create_task(world.engine.serve_one(HELLO))
+
+    response = await AsyncClient().post(
+        "/v1/completions",
+        json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 3, "stream": True}),
+        content_type="application/json",
+        headers=world.headers(),
+    )
+
+    assert response.status_code == 200
+    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
+    request = await served
+    assert request.lora is not None and request.lora.name == NAME
+    chunks = [json.loads(e[len("data: ") :]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    assert {c["model"] for c in chunks} == {NAME}
+
+
+async def test_requests_with_the_base_model_carry_no_adapter(adapter_world):
+    world = adapter_world
+    await world.engine.heartbeat()
+    served = asyncio.create_task(world.engine.serve_one(HELLO))
+
+    response = await chat(world, chat_body(world.model, max_tokens=5))
+
+    assert response.status_code == 200
+    assert (await served).lora is None
+    assert response.json()["model"] == world.model
+    assert await sync_to_async(list)(UsageRecord.objects.values_list("adapter", flat=True)) == [None]
+
+
+async def test_metrics_count_requests_per_adapter(adapter_world):
+    world = adapter_world
+    await world.engine.heartbeat()
+    served = asyncio.create_task(world.engine.serve_one(HELLO))
+    response = await chat(world, chat_body(NAME, max_tokens=5))
+    assert response.status_code == 200
+    request = await served
+
+    text = (await AsyncClient().get("/metrics")).content.decode()
+
+    labels = f'adapter="{NAME}",model="{world.model}"'
+    assert (
+        f'pagoda_adapter_requests_total{{{labels},status="success",tenant="{world.tenant_a.slug}"}} 1.0'
+        in text
+    )
+    tokens = len(request.prompt_token_ids) + 3
+    assert f'pagoda_adapter_tokens_total{{{labels},tenant="{world.tenant_a.slug}"}} {float(tokens)}' in text
+
+
+async def test_outsider_using_the_adapter_name_gets_model_not_found_like_a_missing_model(adapter_world):
+    world = adapter_world
+    await world.engine.heartbeat()
+
+    outsider = await chat(world, chat_body(NAME), raw_key=world.raw_key_b)
+    await sync_to_async(LoraAdapter.objects.all().delete)()
+    missing = await chat(world, chat_body(NAME))
+
+    expected = {
+        "error": {
+            "message": f"The model `{NAME}` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    assert (outsider.status_code, outsider.json()) == (404, expected)
+    assert (missing.status_code, missing.json()) == (404, expected)
+    assert await world.engine.queued_count() == 0
+    assert await sync_to_async(UsageRecord.objects.count)() == 0
+
+
+async def test_adapters_that_are_not_ready_cannot_be_used(adapter_world):
+    world = adapter_world
+    await world.engine.heartbeat()
+    for status in ("uploaded", "validating", "failed"):
+        await LoraAdapter.objects.filter(pk=world.adapter.pk).aupdate(status=status)
+
+        response = await chat(world, chat_body(NAME))
+
+        assert (response.status_code, response.json()["error"]["code"]) == (404, "model_not_found")
+    assert await world.engine.queued_count() == 0
+
+
+async def test_adapter_on_a_base_model_the_key_may_not_use_cannot_be_used(adapter_world):
+    world = adapter_world
+    await world.engine.heartbeat()
+    await sync_to_async(tenant_limits_update)(tenant=world.tenant_a, allowed_models=["b-only-model"])
+
+    response = await chat(world, chat_body(NAME))
+
+    assert (response.status_code, response.json()["error"]["code"]) == (404, "model_not_found")
+    models = await AsyncClient().get("/v1/models", headers=world.headers())
+    assert models.json()["data"] == []
+
+
+async def test_models_lists_the_callers_ready_adapters_with_their_parent(adapter_world):
+    world = adapter_world
+
+    mine = await AsyncClient().get("/v1/models", headers=world.headers())
+    theirs = await AsyncClient().get("/v1/models", headers=world.headers(world.raw_key_b))
+
+    assert mine.json()["data"] == [
+        {
+            "id": world.model,
+            "object": "model",
+            "created": int(world.deployment.created_at.timestamp()),
+            "owned_by": "pagoda",
+        },
+        {
+            "id": NAME,
+            "object": "model",
+            "created": int(world.adapter.created_at.timestamp()),
+            "owned_by": world.tenant_a.slug,
+            "parent": world.model,
+        },
+    ]
+    assert [m["id"] for m in theirs.json()["data"]] == [world.model]
+
+    await LoraAdapter.objects.filter(pk=world.adapter.pk).aupdate(status="failed")
+    mine = await AsyncClient().get("/v1/models", headers=world.headers())
+    assert [m["id"] for m in mine.json()["data"]] == [world.model]
+
+
+def test_outsider_cannot_see_the_adapter(adapter_world):
+    world = adapter_world
+
+    listing = Client().get("/v1/adapters", headers=world.headers(world.raw_key_b))
+    detail = Client().get(f"/v1/adapters/{NAME}", headers=world.headers(world.raw_key_b))
+    own = Client().get(f"/v1/adapters/{NAME}", headers=world.headers())
+
+    assert (listing.status_code, listing.json()) == (200, {"object": "list", "data": []})
+    assert detail.status_code == 404
+    assert detail.json()["error"] == {
+        "message": f"The adapter `{NAME}` does not exist.",
+        "type": "invalid_request_error",
+        "param": "name",
+        "code": "adapter_not_found",
+    }
+    assert (own.status_code, own.json()["id"], own.json()["status"]) == (200, NAME, "ready")
+
+
+def test_outsider_cannot_delete_the_adapter(adapter_world, media_root):
+    world = adapter_world
+    on_disk = files_on_disk(media_root)
+
+    response = Client().delete(f"/v1/adapters/{NAME}", headers=world.headers(world.raw_key_b))
+    missing = Client().delete("/v1/adapters/no-such-adapter", headers=world.headers())
+
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "adapter_not_found"
+    assert missing.json()["error"]["code"] == "adapter_not_found"
+    assert LoraAdapter.objects.filter(pk=world.adapter.pk).exists()
+    assert files_on_disk(media_root) == on_disk != []
+
+
+def test_owner_deletes_the_adapter_with_its_files(adapter_world, media_root):
+    world = adapter_world
+
+    response = Client().delete(f"/v1/adapters/{NAME}", headers=world.headers())
+
+    assert (response.status_code, response.json()) == (
+        200,
+        {"id": NAME, "object": "adapter", "deleted": True},
+    )
+    assert LoraAdapter.objects.count() == 0
+    assert files_on_disk(media_root) == []
+    assert not (media_root / "adapters" / world.tenant_a.slug).exists()
