@@ -1,0 +1,77 @@
+"""Register a model directory as a deployment: `python manage.py model_register --name NAME --path DIR`.
+
+Idempotent: an existing deployment of that name is updated in place (scripts/up.sh runs it on every
+start). max_model_len defaults to the checkpoint's max_position_embeddings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from inference.management.commands.run_engine import ENGINE_SETTING_FLAGS, ENGINE_SETTING_SWITCHES
+from inference.models import ModelDeployment
+from inference.services import deployment_register
+from tenants.errors import PlatformError
+
+
+def engine_setting(text: str) -> tuple[str, Any]:
+    """`key=value`; the value is read as JSON when it is JSON (64, 0.5, true, null), else as text."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key or not raw.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    known = {*ENGINE_SETTING_FLAGS, *ENGINE_SETTING_SWITCHES}
+    if key not in known:
+        raise argparse.ArgumentTypeError(f"unknown engine setting {key!r}; known: {', '.join(sorted(known))}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw.strip()
+    return key, value
+
+
+class Command(BaseCommand):
+    help = "Create or update a model deployment from a Hugging Face model directory."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--name", required=True, help="served name: what clients put in `model`")
+        parser.add_argument(
+            "--path", required=True, help="model directory (config.json, *.safetensors, tokenizer)"
+        )
+        parser.add_argument(
+            "--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings"
+        )
+        parser.add_argument(
+            "--dtype", choices=ModelDeployment.Dtype.values, default=ModelDeployment.Dtype.AUTO
+        )
+        parser.add_argument(
+            "--engine-setting",
+            dest="engine_settings",
+            type=engine_setting,
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="an engine option, repeatable (e.g. max_num_seqs=64); KEY=null removes a stored one",
+        )
+
+    def handle(self, *args, name: str, path: str, max_model_len: int | None, dtype: str, **options) -> None:
+        try:
+            deployment, created = deployment_register(
+                name=name,
+                model_path=path,
+                max_model_len=max_model_len,
+                dtype=dtype,
+                engine_settings=dict(options["engine_settings"]),
+            )
+        except PlatformError as exc:
+            raise CommandError(exc.message) from exc
+        verb = "created" if created else "updated"
+        self.stdout.write(
+            f"model {deployment.name} {verb}: {deployment.model_path} "
+            f"(max_model_len {deployment.max_model_len}, dtype {deployment.dtype}, "
+            f"engine settings {json.dumps(deployment.engine_settings, sort_keys=True)})"
+        )

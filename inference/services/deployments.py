@@ -1,0 +1,99 @@
+"""Register model directories as deployments the platform serves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from inference.models import ModelDeployment
+from tenants.errors import InvalidRequestError
+
+
+class ModelDirectoryError(InvalidRequestError):
+    code = "invalid_model_directory"
+    default_message = "The model directory is not a Hugging Face model directory."
+
+
+def model_context_limit(*, model_path: Path) -> int:
+    """The longest context the engine will accept for this checkpoint, read from its config.json.
+
+    Mirrors the engine's own rule (max_position_embeddings, capped by an active sliding window), so a
+    deployment registered here never asks the engine for more than it serves.
+    """
+    if not model_path.is_dir():
+        raise ModelDirectoryError(f"model directory {str(model_path)!r} does not exist")
+    config_path = model_path / "config.json"
+    if not config_path.is_file():
+        raise ModelDirectoryError(
+            f"{model_path} has no config.json: point at a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer files)"
+        )
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelDirectoryError(f"{config_path} is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ModelDirectoryError(f"{config_path} must hold a JSON object")
+    try:
+        limit = int(raw.get("max_position_embeddings", 2048))
+        window = raw.get("sliding_window")
+        # Qwen2 checkpoints carry a window they do not use unless use_sliding_window is set.
+        if window is not None and (raw.get("model_type") != "qwen2" or raw.get("use_sliding_window")):
+            limit = min(limit, int(window))
+    except (TypeError, ValueError) as exc:
+        raise ModelDirectoryError(f"{config_path}: malformed context length ({exc})") from exc
+    if limit < 1:
+        raise ModelDirectoryError(f"{config_path}: max_position_embeddings must be positive, got {limit}")
+    return limit
+
+
+@transaction.atomic
+def deployment_register(
+    *,
+    name: str,
+    model_path: str | Path,
+    max_model_len: int | None = None,
+    dtype: str = ModelDeployment.Dtype.AUTO,
+    engine_settings: dict[str, Any] | None = None,
+) -> tuple[ModelDeployment, bool]:
+    """Create the deployment `name`, or update it in place; returns (deployment, created).
+
+    Running it twice with the same arguments leaves one unchanged row. max_model_len defaults to the
+    checkpoint's context limit and is capped by it. Given engine settings are merged over the stored
+    ones (a value of None removes the key), so options set in the admin survive a re-registration.
+    The enabled flag is left as the operator set it; a new deployment starts enabled.
+    """
+    path = Path(model_path).expanduser().resolve()
+    limit = model_context_limit(model_path=path)
+    if max_model_len is not None and max_model_len < 1:
+        raise InvalidRequestError(f"max_model_len must be >= 1, got {max_model_len}", param="max_model_len")
+    if dtype not in ModelDeployment.Dtype.values:
+        raise InvalidRequestError(
+            f"dtype must be one of {', '.join(ModelDeployment.Dtype.values)}, got {dtype!r}", param="dtype"
+        )
+    length = limit if max_model_len is None else min(max_model_len, limit)
+    deployment = ModelDeployment.objects.select_for_update().filter(name=name).first()
+    created = deployment is None
+    if deployment is None:
+        deployment = ModelDeployment(name=name, enabled=True, engine_settings={})
+    settings = dict(deployment.engine_settings or {})
+    for key, value in (engine_settings or {}).items():
+        if value is None:
+            settings.pop(key, None)
+        else:
+            settings[key] = value
+    deployment.model_path = str(path)
+    deployment.max_model_len = length
+    deployment.dtype = dtype
+    deployment.engine_settings = settings
+    try:
+        deployment.full_clean()
+    except ValidationError as exc:
+        details = "; ".join(f"{field}: {' '.join(msgs)}" for field, msgs in exc.message_dict.items())
+        raise InvalidRequestError(f"model deployment {name!r} is invalid ({details})") from exc
+    deployment.save()
+    return deployment, created

@@ -1,0 +1,198 @@
+"""`manage.py model_register`: model directories become deployments, idempotently."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from inference.models import ModelDeployment
+
+pytestmark = pytest.mark.django_db
+
+
+def model_dir(root: Path, **config) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **config}))
+    return root
+
+
+def register(*args: str) -> str:
+    out = io.StringIO()
+    call_command("model_register", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_register_creates_an_enabled_deployment_sized_from_config_json(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=4096)
+
+    output = register("--name", "demo", "--path", str(path))
+
+    deployment = ModelDeployment.objects.get(name="demo")
+    assert (deployment.model_path, deployment.max_model_len, deployment.dtype) == (str(path), 4096, "auto")
+    assert deployment.enabled is True
+    assert deployment.engine_settings == {}
+    assert output == f"model demo created: {path} (max_model_len 4096, dtype auto, engine settings {{}})\n"
+
+
+def test_a_relative_path_is_stored_absolute(tmp_path, monkeypatch):
+    model_dir(tmp_path / "models" / "m", max_position_embeddings=512)
+    monkeypatch.chdir(tmp_path)
+
+    register("--name", "demo", "--path", "models/m")
+
+    assert ModelDeployment.objects.get(name="demo").model_path == str(tmp_path / "models" / "m")
+
+
+def test_max_model_len_is_capped_by_the_model(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=1024)
+
+    register("--name", "short", "--path", str(path), "--max-model-len", "256")
+    register("--name", "long", "--path", str(path), "--max-model-len", "100000")
+
+    assert ModelDeployment.objects.get(name="short").max_model_len == 256
+    assert ModelDeployment.objects.get(name="long").max_model_len == 1024
+
+
+def test_an_active_sliding_window_caps_the_context_like_the_engine(tmp_path):
+    mistral = model_dir(
+        tmp_path / "mistral", model_type="mistral", max_position_embeddings=8192, sliding_window=4096
+    )
+    qwen = model_dir(
+        tmp_path / "qwen",
+        model_type="qwen2",
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        use_sliding_window=False,
+    )
+
+    register("--name", "mistral", "--path", str(mistral))
+    register("--name", "qwen", "--path", str(qwen))
+
+    assert ModelDeployment.objects.get(name="mistral").max_model_len == 4096
+    assert ModelDeployment.objects.get(name="qwen").max_model_len == 8192
+
+
+def test_registering_again_updates_the_same_row(tmp_path):
+    first = model_dir(tmp_path / "v1", max_position_embeddings=2048)
+    second = model_dir(tmp_path / "v2", max_position_embeddings=2048)
+    register("--name", "demo", "--path", str(first), "--engine-setting", "max_num_seqs=64")
+    pk = ModelDeployment.objects.get(name="demo").pk
+    ModelDeployment.objects.filter(pk=pk).update(enabled=False)
+
+    output = register(
+        "--name", "demo", "--path", str(second), "--max-model-len", "512", "--dtype", "float32",
+        "--engine-setting", "kv_cache_memory=256MiB",
+    )  # fmt: skip
+
+    [deployment] = ModelDeployment.objects.all()
+    assert deployment.pk == pk
+    assert (deployment.model_path, deployment.max_model_len, deployment.dtype) == (
+        str(second),
+        512,
+        "float32",
+    )
+    assert deployment.engine_settings == {"max_num_seqs": 64, "kv_cache_memory": "256MiB"}
+    assert deployment.enabled is False  # the operator's choice survives a re-registration
+    assert output.startswith("model demo updated: ")
+
+
+def test_registering_twice_with_the_same_arguments_changes_nothing(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    args = ("--name", "demo", "--path", str(path), "--engine-setting", "enforce_eager=true")
+    register(*args)
+    before = ModelDeployment.objects.values(
+        "pk", "model_path", "max_model_len", "dtype", "engine_settings"
+    ).get()
+
+    register(*args)
+
+    after = ModelDeployment.objects.values(
+        "pk", "model_path", "max_model_len", "dtype", "engine_settings"
+    ).get()
+    assert after == before
+    assert after["engine_settings"] == {"enforce_eager": True}
+
+
+def test_an_engine_setting_of_null_removes_the_stored_one(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    register(
+        "--name",
+        "demo",
+        "--path",
+        str(path),
+        "--engine-setting",
+        "max_num_seqs=8",
+        "--engine-setting",
+        "seed=3",
+    )
+
+    register("--name", "demo", "--path", str(path), "--engine-setting", "max-num-seqs=null")
+
+    assert ModelDeployment.objects.get(name="demo").engine_settings == {"seed": 3}
+
+
+def test_the_registered_deployment_gives_the_engine_command_line(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    register("--name", "demo", "--path", str(path), "--engine-setting", "num_blocks=32", "--dtype", "float32")
+    out = io.StringIO()
+
+    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
+
+    command = out.getvalue()
+    assert f"--model-dir={path} " in command
+    assert " --max-model-len=2048 --dtype=float32 " in command
+    assert command.strip().endswith("--num-blocks=32")
+
+
+def test_a_directory_without_config_json_is_refused_and_nothing_is_written(tmp_path):
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+
+    with pytest.raises(CommandError) as refused:
+        register("--name", "demo", "--path", str(tmp_path))
+
+    assert str(refused.value) == (
+        f"{tmp_path} has no config.json: point at a Hugging Face model directory "
+        "(config.json, *.safetensors, tokenizer files)"
+    )
+    assert not ModelDeployment.objects.exists()
+
+
+def test_a_missing_directory_is_refused(tmp_path):
+    with pytest.raises(CommandError) as refused:
+        register("--name", "demo", "--path", str(tmp_path / "nope"))
+
+    assert str(refused.value) == f"model directory {str(tmp_path / 'nope')!r} does not exist"
+    assert not ModelDeployment.objects.exists()
+
+
+def test_a_malformed_config_json_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+
+    with pytest.raises(CommandError, match=r"config.json is not valid JSON"):
+        register("--name", "demo", "--path", str(tmp_path))
+
+    assert not ModelDeployment.objects.exists()
+
+
+def test_an_unknown_engine_setting_is_refused_before_anything_is_written(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+
+    with pytest.raises(CommandError, match=r"unknown engine setting 'warp_speed'; known: block_size, "):
+        register("--name", "demo", "--path", str(path), "--engine-setting", "warp_speed=9")
+
+    assert not ModelDeployment.objects.exists()
+
+
+def test_an_invalid_served_name_is_refused(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+
+    with pytest.raises(
+        CommandError, match=r"^model deployment 'bad name' is invalid \(name: Letters, digits"
+    ):
+        register("--name", "bad name", "--path", str(path))
+
+    assert not ModelDeployment.objects.exists()
