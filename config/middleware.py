@@ -1,4 +1,5 @@
-"""Prometheus request metrics by route (the URL pattern, never the raw path: bounded labels)."""
+"""Project-wide middleware: Prometheus request metrics by route (the URL pattern, never the raw
+path: bounded labels), and the guarantee that every /v1 answer is JSON."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from prometheus_client import Counter, Histogram
+
+from tenants.api.exceptions import error_for_status, error_response
 
 HTTP_REQUESTS = Counter(
     "pagoda_http_requests_total", "HTTP requests handled", ["method", "route", "status"]
@@ -55,3 +58,50 @@ class RequestMetricsMiddleware:
         response = await self.get_response(request)
         _observe(request, response, started)
         return response
+
+
+def _is_api(request) -> bool:
+    return request.path == "/v1" or request.path.startswith("/v1/")
+
+
+def _reshaped(request, response):
+    """An error page Django rendered itself for a /v1 request (a refused host, a body over the
+    upload limit, a crash past a view's own handling) re-rendered in the API's JSON shape."""
+    if (
+        not _is_api(request)
+        or response.status_code < 400
+        or getattr(response, "streaming", False)
+        or response.get("Content-Type", "").startswith("application/json")
+    ):
+        return response
+    reshaped = error_response(error_for_status(response.status_code))
+    for name in ("Allow", "Retry-After", "WWW-Authenticate"):
+        if response.has_header(name):
+            reshaped[name] = response[name]
+    return reshaped
+
+
+class ApiErrorShapeMiddleware:
+    """Every /v1 answer is JSON: exceptions a view lets escape become OpenAI-shaped errors (bad
+    input a 4xx, anything else a logged 500), and so do error pages rendered below this layer."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self.__acall__(request)
+        return _reshaped(request, self.get_response(request))
+
+    async def __acall__(self, request):
+        return _reshaped(request, await self.get_response(request))
+
+    def process_exception(self, request, exception):
+        if not _is_api(request):
+            return None
+        return error_response(exception)

@@ -42,6 +42,12 @@ class ContextLengthExceededError(InvalidRequestError):
     default_message = "The request exceeds the model's maximum context length."
 
 
+class RequestTooLargeError(InvalidRequestError):
+    status_code = 413
+    code = "request_too_large"
+    default_message = "The request body is larger than this server accepts."
+
+
 class AuthenticationError(PlatformError):
     status_code = 401
     type = "invalid_request_error"

@@ -8,10 +8,24 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
+# Every streamed request holds an asyncio connection while it waits on its output stream, and
+# request threads each take a sync one: redis-py's default cap of 100 refused the 101st concurrent
+# stream with MaxConnectionsError. Blocking pools wait for a free connection instead of failing, and
+# the cap stays below redis-server's default maxclients (10000).
+MAX_CONNECTIONS = 4096
+POOL_TIMEOUT_S = 30
+
 
 @functools.cache
 def get_redis() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, decode_responses=False, health_check_interval=30)
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.REDIS_URL,
+        decode_responses=False,
+        health_check_interval=30,
+        max_connections=MAX_CONNECTIONS,
+        timeout=POOL_TIMEOUT_S,
+    )
+    return redis.Redis(connection_pool=pool)
 
 
 _async_clients: dict[int, aioredis.Redis] = {}
@@ -24,7 +38,10 @@ def get_async_redis() -> aioredis.Redis:
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
-        client = aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=False)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL, decode_responses=False, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S
+        )
+        client = aioredis.Redis(connection_pool=pool)
         _async_clients[loop_id] = client
     return client
 

@@ -1,14 +1,21 @@
-"""Project-level checks: layout, settings helpers, dependency directions, the compose file."""
+"""Project-level checks: layout, settings helpers and start-up refusals, zero-config defaults,
+dependency directions, health, readiness and metrics."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from config.env import ImproperlyConfiguredEnv, database_from_url, envbool, envint
+from config.env import ImproperlyConfiguredEnv, database_from_url, envbool, envint, redis_url_checked
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,3 +106,142 @@ def test_malformed_debug_value_stops_start_up():
     result = _settings_import({"DEBUG": "sometimes"})
     assert result.returncode != 0
     assert "DEBUG='sometimes' is not a boolean" in result.stderr
+
+
+def test_production_refuses_the_development_api_key_pepper():
+    result = _settings_import({"DEBUG": "false", "SECRET_KEY": "x" * 50})
+    assert result.returncode != 0
+    assert "API_KEY_PEPPER is the development default" in result.stderr
+
+
+def test_a_short_secret_key_stops_start_up():
+    result = _settings_import({"DEBUG": "false", "SECRET_KEY": "short", "API_KEY_PEPPER": "y" * 32})
+    assert result.returncode != 0
+    assert "SECRET_KEY must be at least 16 characters long" in result.stderr
+
+
+def test_redis_url_with_another_scheme_is_refused():
+    with pytest.raises(ImproperlyConfiguredEnv, match="must start with redis://"):
+        redis_url_checked("http://127.0.0.1:6379/0")
+    assert redis_url_checked("unix:///run/redis.sock") == "unix:///run/redis.sock"
+
+
+_ZERO_CONFIG_PROBE = """
+import django
+django.setup()
+from django.conf import settings
+from django.db import connection
+import redis
+client = redis.Redis.from_url(settings.REDIS_URL)
+client.set("probe", "ok")
+connection.ensure_connection()
+print(connection.vendor, settings.REDIS_URL, client.get("probe").decode(), client.info("server")["redis_version"])
+"""
+
+
+def test_zero_config_uses_sqlite_and_an_embedded_redis_server():
+    var_dir = Path(tempfile.mkdtemp(prefix="pz-"))  # short: a unix socket path has a length limit
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "DEBUG": "true", "PAGODA_VAR_DIR": str(var_dir),
+           "DJANGO_SETTINGS_MODULE": "config.settings"}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _ZERO_CONFIG_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        vendor, redis_url, probe, _version = result.stdout.split()
+        assert (vendor, redis_url, probe) == ("sqlite", f"unix://{var_dir}/redis.sock", "ok")
+        assert (var_dir / "db.sqlite3").is_file()
+    finally:
+        _stop_embedded_redis(var_dir)
+        shutil.rmtree(var_dir, ignore_errors=True)
+
+
+def _stop_embedded_redis(var_dir: Path) -> None:
+    """SHUTDOWN NOSAVE: a plain SIGTERM makes redis-server save first, and it refuses to exit
+    when that save fails (as it does once its directory is gone)."""
+    import redis
+
+    pid_file = var_dir / "redis.pid"
+    if not pid_file.exists():
+        return
+    pid = int(pid_file.read_text())
+    try:
+        redis.Redis(unix_socket_path=str(var_dir / "redis.sock")).shutdown(nosave=True)
+    except redis.ConnectionError:
+        pass  # the connection closing under the reply is the success case
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.django_db
+def test_health_and_ready_answer_when_database_and_redis_are_up():
+    from django.test import Client
+
+    assert Client().get("/health").json() == {"status": "ok"}
+    ready = Client().get("/ready")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "checks": {"database": "ok", "redis": "ok", "engines": "ok"}, "models": {}}
+
+
+@pytest.mark.django_db
+def test_ready_is_503_when_redis_cannot_be_reached(monkeypatch):
+    import redis
+    from django.test import Client
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from inference import health
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    unreachable = redis.Redis(
+        host="127.0.0.1", port=closed_port, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
+    )
+    monkeypatch.setattr(health, "get_redis", lambda: unreachable)
+
+    ready = Client().get("/ready")
+
+    assert ready.status_code == 503
+    assert ready.json()["status"] == "not_ready"
+    assert ready.json()["checks"]["database"] == "ok"
+    assert ready.json()["checks"]["redis"].startswith("redis: ConnectionError")
+
+
+@pytest.mark.django_db
+def test_metrics_count_requests_and_latencies_by_route_not_by_raw_path():
+    from django.test import Client
+    from prometheus_client import REGISTRY
+
+    def requests(route: str, status: str) -> float:
+        labels = {"method": "GET", "route": route, "status": status}
+        return REGISTRY.get_sample_value("pagoda_http_requests_total", labels) or 0.0
+
+    def timed(route: str) -> float:
+        labels = {"method": "GET", "route": route}
+        return REGISTRY.get_sample_value("pagoda_http_request_duration_seconds_count", labels) or 0.0
+
+    before = (requests("/health", "200"), timed("/health"), requests("/v1/usage", "401"))
+    client = Client()
+    client.get("/health")
+    client.get("/health")
+    client.get("/v1/usage")
+    client.get("/v1/no-such-route-9f1c")
+
+    response = client.get("/metrics")
+
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain; version=")
+    text = response.content.decode()
+    assert (requests("/health", "200"), timed("/health"), requests("/v1/usage", "401")) == (
+        before[0] + 2, before[1] + 2, before[2] + 1
+    )
+    assert 'pagoda_http_requests_total{method="GET",route="/health",status="200"}' in text
+    assert 'pagoda_http_request_duration_seconds_bucket{le="0.005",method="GET",route="/health"}' in text
+    assert "no-such-route-9f1c" not in text

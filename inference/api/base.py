@@ -33,7 +33,8 @@ def parse_body(request: HttpRequest, serializer_class: type[serializers.Serializ
         raise InvalidRequestError("The request body must be JSON (Content-Type: application/json).")
     try:
         body = json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
+    # RecursionError: nesting deeper than the parser's stack is bad input too, not a crash.
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequestError(
             f"We could not parse the JSON body of your request. ({exc})", code="invalid_json"
         ) from exc

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from django.core.exceptions import PermissionDenied
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
@@ -21,6 +22,8 @@ from tenants.errors import (
     PermissionDeniedError,
     PlatformError,
     RateLimitError,
+    RequestTooLargeError,
+    ServiceUnavailableError,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,11 +77,39 @@ def to_platform_error(exc: Exception) -> PlatformError | None:
     if isinstance(exc, drf.Throttled):
         wait = exc.wait or 1
         return RateLimitError(_message_of(exc), headers={"retry-after": str(int(wait) or 1)})
+    if isinstance(exc, RequestDataTooBig):
+        return RequestTooLargeError(
+            f"The request body is larger than the {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes this server accepts."
+        )
+    if isinstance(exc, SuspiciousOperation):
+        return InvalidRequestError("The request was refused as malformed.", code="bad_request")
     if isinstance(exc, drf.APIException):
         error = PlatformError(_message_of(exc), code=str(exc.default_code))
         error.status_code = exc.status_code
         return error
     return None
+
+
+_ERRORS_BY_STATUS: dict[int, type[PlatformError]] = {
+    400: InvalidRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    405: MethodNotAllowedError,
+    413: RequestTooLargeError,
+    429: RateLimitError,
+    503: ServiceUnavailableError,
+}
+
+
+def error_for_status(status: int) -> PlatformError:
+    """The platform's error for a bare HTTP status (pages rendered outside the API's views)."""
+    error_class = _ERRORS_BY_STATUS.get(status)
+    if error_class is not None:
+        return error_class()
+    error = PlatformError() if status >= 500 else InvalidRequestError()
+    error.status_code = status
+    return error
 
 
 def api_exception_handler(exc: Exception, context: dict) -> Response | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import date, timedelta
 
 from django.http import JsonResponse
 from django.utils import timezone
@@ -16,14 +16,25 @@ from tenants.errors import InvalidRequestError, NotFoundError
 from tenants.selectors import GROUP_BY_CHOICES, usage_summary
 
 MAX_RANGE_DAYS = 366
+# Day arithmetic past these (a default start 29 days back, an end's next midnight) would leave
+# the calendar Python can represent.
+EARLIEST_DAY, LATEST_DAY = date(1970, 1, 1), date(9999, 12, 30)
+
+
+def _day_in_bounds(value: date) -> date:
+    if not EARLIEST_DAY <= value <= LATEST_DAY:
+        raise serializers.ValidationError(
+            f"Dates must lie between {EARLIEST_DAY} and {LATEST_DAY}.", code="invalid_range"
+        )
+    return value
 
 
 class UsageListApi(TenantApiView):
     """Usage of the calling key's tenant, in buckets per day, model or key."""
 
     class InputSerializer(StrictSerializer):
-        start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
-        end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"])
+        start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"], validators=[_day_in_bounds])
+        end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"], validators=[_day_in_bounds])
         group_by = serializers.ChoiceField(choices=GROUP_BY_CHOICES, default="day")
 
     class OutputSerializer(serializers.Serializer):

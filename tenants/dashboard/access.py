@@ -17,9 +17,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from tenants import errors
 from tenants.models import Membership, Tenant
 from tenants.selectors import membership_get, tenant_get_for_user
-
-# Members read; owners and admins also create and revoke keys.
-KEY_MANAGER_ROLES = frozenset({Membership.Role.OWNER, Membership.Role.ADMIN})
+from tenants.services.tenants import KEY_MANAGER_ROLES
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,9 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from tenants.dashboard.access import TenantAccess, memberships_for_user, tenant_page
 from tenants.dashboard.forms import ApiKeyCreateForm
 from tenants.dashboard.usage import PERIOD_CHOICES, period_days, usage_report
+from tenants.errors import NotFoundError
 from tenants.models import ApiKey
-from tenants.selectors import api_key_get_for_user, api_key_list_for_tenant, quota_status
+from tenants.selectors import api_key_get_for_user, api_key_list_for_tenant, quota_status, tenant_get_for_user
 from tenants.services import api_key_create_for_member, api_key_revoke_for_member
 
 WEBSOCKET_CHAT_PATH = "/ws/v1/chat"
@@ -32,11 +33,16 @@ def home(request: HttpRequest) -> HttpResponse:
 @require_GET
 @login_required
 def switch(request: HttpRequest) -> HttpResponse:
-    # The overview resolves the slug through the user's memberships (404 for anything else).
     slug = request.GET.get("tenant", "")
     if not slug:
         return redirect("dashboard:home")
-    return redirect("dashboard:overview", slug=slug)
+    # Resolved through the user's memberships before any URL is built from it: anything else,
+    # a string that is not a slug included, is a 404.
+    try:
+        tenant = tenant_get_for_user(user=request.user, slug=slug)
+    except NotFoundError as exc:
+        raise Http404(exc.message) from exc
+    return redirect("dashboard:overview", slug=tenant.slug)
 
 
 def _limits(access: TenantAccess):

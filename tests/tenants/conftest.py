@@ -14,6 +14,13 @@ from tenants.services import api_key_create, membership_create, tenant_create
 MODEL = "tiny-llama"
 
 
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings):
+    """PBKDF2's deliberate slowness (about half a second per user here) would dominate these
+    tests; what they check does not depend on the hash."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @dataclass
 class World:
     tenant_a: Tenant

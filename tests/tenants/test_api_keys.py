@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
+import json
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -22,9 +21,8 @@ from tenants.services import (
     tenant_limits_update,
     tenant_set_active,
 )
+from tests.e2e.browser import daphne_server
 from tests.tenants.conftest import MODEL
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_key_secret_is_never_stored(world):
@@ -117,60 +115,53 @@ def test_revoked_key_is_refused_within_one_second_in_this_process(world):
         api_key_authenticate(raw_key=world.raw_key_a)
 
 
-_WATCHER = textwrap.dedent(
-    """
-    import sys, time
-    import django
-    django.setup()
-    from tenants.errors import AuthenticationError
-    from tenants.services import api_key_authenticate
-    raw_key = sys.stdin.readline().strip()
-    api_key_authenticate(raw_key=raw_key)  # now cached in this process
-    print("ready", flush=True)
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        try:
-            api_key_authenticate(raw_key=raw_key)
-        except AuthenticationError as exc:
-            print(f"refused {time.time()!r} {exc.message}", flush=True)
-            sys.exit(0)
-        time.sleep(0.005)
-    print("still accepted", flush=True)
-    """
-)
+@pytest.fixture(scope="module")
+def web_process(django_db_setup, tmp_path_factory) -> Iterator[str]:
+    """A daphne serving the test database: another web process, with its own key cache."""
+    with daphne_server(log_path=tmp_path_factory.mktemp("web") / "daphne.log") as base_url:
+        yield base_url
 
 
-def _test_database_env() -> dict[str, str]:
-    db = connection.settings_dict
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
-    url = f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-    return {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "config.settings"}
+def _get_usage(base_url: str, raw_key: str) -> tuple[int, dict]:
+    request = urllib.request.Request(base_url + "/v1/usage", headers={"Authorization": f"Bearer {raw_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 @pytest.mark.django_db(transaction=True)
-def test_revoked_key_is_refused_within_one_second_by_another_process(world):
-    watcher = subprocess.Popen(
-        [sys.executable, "-c", _WATCHER],
-        cwd=ROOT,
-        env=_test_database_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def test_revoked_key_is_refused_within_one_second_by_another_web_process(world, web_process):
+    assert _get_usage(web_process, world.raw_key_a)[0] == 200  # resolved and cached by that process
+    assert _get_usage(web_process, world.raw_key_a)[0] == 200  # served from its cache
+
+    revoked_at = time.monotonic()
+    api_key_revoke(api_key=world.key_a)
+    answer = _get_usage(web_process, world.raw_key_a)
+    while answer[0] == 200 and time.monotonic() - revoked_at < 5:
+        answer = _get_usage(web_process, world.raw_key_a)
+    elapsed = time.monotonic() - revoked_at
+
+    assert answer == (
+        401,
+        {"error": {"message": "This API key has been revoked.", "type": "invalid_request_error", "param": None,
+                   "code": "invalid_api_key"}},
     )
-    try:
-        watcher.stdin.write(world.raw_key_a + "\n")
-        watcher.stdin.flush()
-        assert watcher.stdout.readline().strip() == "ready", watcher.stderr.read()
-        revoked_at = time.time()
-        api_key_revoke(api_key=world.key_a)
-        line = watcher.stdout.readline().strip()
-        assert line.startswith("refused "), line + watcher.stderr.read()
-        refused_at = float(line.split()[1])
-        assert refused_at - revoked_at < 1.0
-        assert line.endswith("This API key has been revoked.")
-        assert watcher.wait(timeout=30) == 0
-    finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.wait()
+    assert elapsed < 1.0
+    assert _get_usage(web_process, world.raw_key_b)[0] == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_expired_key_is_refused_by_another_web_process_at_its_time(world, web_process):
+    assert _get_usage(web_process, world.raw_key_b)[0] == 200  # the server is warm
+    api_key, raw_key = api_key_create(
+        tenant=world.tenant_a, name="short-lived", expires_at=timezone.now() + timedelta(seconds=2)
+    )
+    assert _get_usage(web_process, raw_key)[0] == 200
+
+    time.sleep(max(0.0, (api_key.expires_at - timezone.now()).total_seconds()) + 0.05)
+
+    status, body = _get_usage(web_process, raw_key)
+    assert status == 401
+    assert (body["error"]["code"], body["error"]["message"]) == ("invalid_api_key", "This API key has expired.")

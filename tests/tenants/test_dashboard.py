@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from datetime import timedelta
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
-from django.urls import reverse
+from django.urls import URLResolver, get_resolver, reverse
 from django.utils import timezone
 
 from tenants.errors import AuthenticationError
@@ -154,6 +155,46 @@ def test_outsider_gets_404_on_every_dashboard_url_of_tenant_a(world):
     assert ApiKey.objects.filter(tenant=world["a"]).count() == 1
     world["key_a"].refresh_from_db()
     assert world["key_a"].revoked_at is None
+
+
+def _tenant_routes() -> list[str]:
+    """Every routed URL pattern that names a tenant (`<slug:slug>`), whoever added it."""
+    routes: list[str] = []
+
+    def walk(patterns, prefix: str) -> None:
+        for pattern in patterns:
+            route = prefix + str(pattern.pattern)
+            if isinstance(pattern, URLResolver):
+                walk(pattern.url_patterns, route)
+            elif "<slug:slug>" in route:
+                routes.append(route)
+
+    walk(get_resolver().url_patterns, "/")
+    return routes
+
+
+def _fill(route: str, *, slug: str, key_id: int) -> str:
+    values = {"slug": slug, "int": str(key_id), "str": "some-name", "path": "some/name", "uuid": str(uuid.uuid4())}
+    return re.sub(r"<(?:(\w+):)?(\w+)>", lambda m: values["slug" if m[2] == "slug" else (m[1] or "str")], route)
+
+
+def test_outsider_cannot_tell_tenant_a_exists_from_any_tenant_url(world):
+    routes = _tenant_routes()
+    assert "/dashboard/t/<slug:slug>/keys/<int:key_id>/revoke/" in routes
+    client = _client(world["outsider"])
+
+    for route in routes:
+        statuses = {}
+        for method in ("get", "post"):
+            real = getattr(client, method)(_fill(route, slug="acme", key_id=world["key_a"].pk))
+            missing = getattr(client, method)(_fill(route, slug="no-such-tenant", key_id=world["key_a"].pk))
+            assert real.status_code == missing.status_code, (method, route)
+            assert "Acme" not in real.content.decode()
+            statuses[method] = real.status_code
+        # 405 only where the view takes the other method whoever asks; a tenant route is 404.
+        assert set(statuses.values()) <= {404, 405} and 404 in statuses.values(), (route, statuses)
+
+    assert list(ApiKey.objects.filter(tenant=world["a"]).values_list("name", "revoked_at")) == [("acme-prod", None)]
 
 
 def test_tenant_b_key_is_404_through_tenant_a_urls_even_for_a_member_of_both(world):
@@ -325,3 +366,10 @@ def test_logout_is_a_post_and_ends_the_session(world):
 
     assert response["Location"] == "/dashboard/login/"
     assert client.get(reverse("dashboard:overview", args=["acme"])).status_code == 302
+
+
+@pytest.mark.parametrize("value", ["not a slug", "../admin", "acme/keys", "é"])
+def test_switching_to_something_that_is_not_a_tenant_slug_is_404_not_a_crash(world, value):
+    response = _client(world["member"]).get(reverse("dashboard:switch"), {"tenant": value})
+
+    assert response.status_code == 404

@@ -111,6 +111,24 @@ def test_tokens_per_minute_limit_counts_reserved_tokens_and_settles_to_actual(wo
     assert second.ratelimit_headers["x-ratelimit-remaining-tokens"] == str(1000 - 120 - 500)
 
 
+def test_a_keys_own_tokens_per_minute_limit_applies_under_the_tenants(world):
+    _, raw_key = api_key_create(tenant=world.tenant_a, name="small", tokens_per_minute=150)
+    tenant_limits_update(tenant=world.tenant_a, tokens_per_minute=10_000)
+    small = api_key_authenticate(raw_key=raw_key)
+
+    first = _reserve(small, prompt=50, max_tokens=50)
+    assert (first.ratelimit_headers["x-ratelimit-limit-tokens"], first.ratelimit_headers["x-ratelimit-remaining-tokens"]) == (
+        "150", "50"
+    )
+    with pytest.raises(RateLimitError, match="key tokens per minute") as caught:
+        _reserve(small, prompt=50, max_tokens=50)
+    assert caught.value.headers["x-ratelimit-remaining-tokens"] == "50"
+    assert 1 <= int(caught.value.headers["retry-after"]) <= 60
+    # The tenant's other key only sees the tenant's limit, which has room for both.
+    other = _reserve(api_key_authenticate(raw_key=world.raw_key_a), prompt=50, max_tokens=50)
+    assert other.ratelimit_headers["x-ratelimit-remaining-tokens"] == str(10_000 - 100 - 100)
+
+
 def test_a_request_larger_than_the_token_limit_is_refused(world):
     auth = _auth(world, tokens_per_minute=100)
     with pytest.raises(RateLimitError, match="Request too large"):

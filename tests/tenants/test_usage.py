@@ -150,6 +150,10 @@ def test_usage_range_is_inclusive_and_defaults_to_the_last_30_days(world, api_cl
         ({"start": "2024-01-01", "end": "2026-01-01"}, "start", "invalid_range"),
         ({"group_by": "hour"}, "group_by", "invalid_choice"),
         ({"granularity": "day"}, "granularity", "unknown_parameter"),
+        ({"end": "9999-12-31"}, "end", "invalid_range"),
+        ({"end": "0001-01-05"}, "end", "invalid_range"),
+        ({"start": "0001-01-01", "end": "0001-01-02"}, "start", "invalid_range"),
+        ({"start": "1969-12-31", "end": "1970-01-01"}, "start", "invalid_range"),
     ],
 )
 def test_bad_usage_queries_get_400_in_openai_shape_with_the_param(world, api_client, query, param, code):
@@ -159,3 +163,19 @@ def test_bad_usage_queries_get_400_in_openai_shape_with_the_param(world, api_cli
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+
+
+def test_celery_beat_schedules_the_rollup_and_the_task_rolls_up(world):
+    from celery.beat import Scheduler
+
+    from config.celery_app import app
+
+    _record(world, "today", prompt=3, completion=2)
+    app.loader.import_default_modules()
+    entries = [entry for entry in Scheduler(app=app).schedule.values() if entry.task == "tenants.tasks.usage_rollup_recent"]
+
+    assert [entry.name for entry in entries] == ["tenants-usage-rollup"]
+    assert 0 < entries[0].schedule.run_every.total_seconds() <= 3600
+    today = timezone.now().date().isoformat()
+    assert app.tasks[entries[0].task].apply().get()[today] == 1
+    assert UsageDaily.objects.get(day=timezone.now().date()).prompt_tokens == 3
