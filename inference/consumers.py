@@ -63,7 +63,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs) -> None:
         try:
             content = json.loads(text_data or bytes_data or b"")
-        except ValueError:
+        # RecursionError: nesting deeper than the parser's stack is bad input, not a crash.
+        except (ValueError, UnicodeDecodeError, RecursionError):
             await self._error(None, InvalidRequestError("Messages must be JSON objects.", code="invalid_json"))
             return
         if not isinstance(content, dict):

@@ -1,0 +1,193 @@
+"""`/ws/v1/chat` through Channels' communicator, answered by a real engine worker (the tiny model's
+LLMEngine and the Redis loop, in a thread of this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+
+from config.asgi import application
+from tenants.models import UsageRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def engine_worker(world) -> Iterator[object]:
+    """One real engine replica of the world's model on the test Redis prefix."""
+    import redis
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
+
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=world.deployment.model_path,
+            device="cpu",
+            dtype="float32",
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8),
+        )
+    )
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    ws = WorkerSettings(model=world.model, prefix=settings.REDIS_PREFIX, heartbeat_interval_s=0.2, idle_block_ms=20)
+    queue = RequestQueue(
+        client, prefix=ws.prefix, model=ws.model, replica_id=ws.replica_id,
+        output_ttl_s=ws.output_ttl_s, heartbeat_ttl_s=ws.heartbeat_ttl_s,
+    )
+    worker = EngineWorker(engine, queue, ws)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    yield worker
+    worker.request_stop()
+    worker.request_stop()
+    thread.join(timeout=30)
+    client.close()
+
+
+async def _connect(subprotocols: list[str] | None = None) -> WebsocketCommunicator:
+    communicator = WebsocketCommunicator(application, "/ws/v1/chat", subprotocols=subprotocols)
+    connected, _ = await communicator.connect()
+    assert connected
+    return communicator
+
+
+def _chat(stream_id: str, model: str, **extra) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a story"}], "temperature": 0, **extra}
+    return {"type": "chat", "id": stream_id, "request": body}
+
+
+async def _until_done(communicator: WebsocketCommunicator, ids: set[str], timeout: float = 60) -> dict[str, list[dict]]:
+    """Messages per stream id until each of `ids` has ended (done, error or cancelled)."""
+    messages: dict[str, list[dict]] = {i: [] for i in ids}
+    open_ids = set(ids)
+    while open_ids:
+        message = await communicator.receive_json_from(timeout=timeout)
+        messages.setdefault(message.get("id"), []).append(message)
+        if message["type"] in ("done", "error", "cancelled"):
+            open_ids.discard(message.get("id"))
+    return messages
+
+
+async def test_a_key_offered_as_subprotocol_authenticates_and_is_never_echoed(world, engine_worker):
+    communicator = WebsocketCommunicator(
+        application, "/ws/v1/chat", subprotocols=["pagoda.v1", f"pagoda.bearer.{world.raw_key_a}"]
+    )
+    connected, subprotocol = await communicator.connect()
+
+    assert connected and subprotocol == "pagoda.v1"
+    assert await communicator.receive_json_from(timeout=10) == {"type": "authenticated"}
+    await communicator.disconnect()
+
+
+async def test_a_bad_key_in_the_first_message_is_refused_and_the_socket_closed(world):
+    communicator = await _connect()
+    await communicator.send_json_to({"type": "auth", "api_key": "sk-not-a-real-key"})
+
+    message = await communicator.receive_json_from(timeout=10)
+    assert message["type"] == "error"
+    assert message["error"]["code"] == "invalid_api_key"
+    assert (await communicator.receive_output(timeout=10))["code"] == 4401
+    assert not await UsageRecord.objects.aexists()
+
+
+async def test_chat_before_auth_is_an_error_and_nothing_is_queued(world):
+    communicator = await _connect()
+    await communicator.send_json_to(_chat("s1", world.model))
+
+    message = await communicator.receive_json_from(timeout=10)
+    assert message["type"] == "error" and message["error"]["code"] == "invalid_api_key"
+    assert "Authenticate first" in message["error"]["message"]
+    assert await world.engine.queued_count() == 0
+    await communicator.disconnect()
+
+
+async def test_two_streams_on_one_connection_each_get_their_deltas_and_usage(world, engine_worker):
+    communicator = await _connect()
+    await communicator.send_json_to({"type": "auth", "api_key": world.raw_key_a})
+    assert (await communicator.receive_json_from(timeout=10))["type"] == "authenticated"
+
+    await communicator.send_json_to(_chat("a", world.model, max_tokens=12, ignore_eos=True))
+    await communicator.send_json_to(_chat("b", world.model, max_tokens=5, ignore_eos=True))
+    messages = await _until_done(communicator, {"a", "b"})
+
+    for stream_id, max_tokens in (("a", 12), ("b", 5)):
+        deltas = [m for m in messages[stream_id] if m["type"] == "delta"]
+        done = messages[stream_id][-1]
+        assert done["type"] == "done" and done["finish_reason"] == "length"
+        assert done["usage"]["completion_tokens"] == max_tokens
+        assert deltas and all(m["index"] == 0 for m in deltas)
+    rows = [r async for r in UsageRecord.objects.order_by("completion_tokens")]
+    assert [(r.status, r.completion_tokens) for r in rows] == [("success", 5), ("success", 12)]
+    await communicator.disconnect()
+
+
+async def test_streamed_text_equals_the_rest_answer_under_greedy(world, engine_worker):
+    from django.test import AsyncClient
+
+    rest = await AsyncClient().post(
+        "/v1/chat/completions",
+        json.dumps(_chat("x", world.model, max_tokens=10)["request"]),
+        content_type="application/json",
+        headers=world.headers(),
+    )
+    assert rest.status_code == 200
+    communicator = await _connect(["pagoda.v1", f"pagoda.bearer.{world.raw_key_a}"])
+    assert (await communicator.receive_json_from(timeout=10))["type"] == "authenticated"
+    await communicator.send_json_to(_chat("s", world.model, max_tokens=10))
+    messages = await _until_done(communicator, {"s"})
+
+    text = "".join(m["content"] for m in messages["s"] if m["type"] == "delta")
+    assert text == rest.json()["choices"][0]["message"]["content"]
+    await communicator.disconnect()
+
+
+async def test_cancel_stops_one_stream_bills_only_what_was_produced_and_frees_its_blocks(world, engine_worker):
+    communicator = await _connect(["pagoda.v1", f"pagoda.bearer.{world.raw_key_a}"])
+    assert (await communicator.receive_json_from(timeout=10))["type"] == "authenticated"
+    await communicator.send_json_to(_chat("long", world.model, max_tokens=200, ignore_eos=True))
+    first = await communicator.receive_json_from(timeout=30)
+    assert first["type"] == "delta"
+
+    await communicator.send_json_to({"type": "cancel", "id": "long"})
+    messages = await _until_done(communicator, {"long"})
+
+    cancelled = messages["long"][-1]
+    assert cancelled["type"] == "cancelled"
+    produced = cancelled["usage"]["completion_tokens"]
+    assert 1 <= produced < 200
+    row = await UsageRecord.objects.aget(request_id=cancelled["request_id"])
+    assert (row.status, row.completion_tokens) == ("cancelled", produced)
+    for _ in range(200):  # the engine drops the sequence at its next step
+        stats = engine_worker.stats()
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
+    await communicator.disconnect()
+
+
+async def test_malformed_messages_get_an_error_and_the_connection_stays_usable(world, engine_worker):
+    communicator = await _connect(["pagoda.v1", f"pagoda.bearer.{world.raw_key_a}"])
+    assert (await communicator.receive_json_from(timeout=10))["type"] == "authenticated"
+
+    for raw in ("not json", "[" * 100_000, "[1, 2]"):
+        await communicator.send_to(text_data=raw)
+        message = await communicator.receive_json_from(timeout=10)
+        assert message["type"] == "error" and message["error"]["type"] == "invalid_request_error"
+    await communicator.send_json_to(_chat("bad", world.model, max_tokens="many"))
+    message = await communicator.receive_json_from(timeout=10)
+    assert message["type"] == "error" and message["error"]["param"] == "max_tokens"
+
+    await communicator.send_json_to(_chat("ok", world.model, max_tokens=3))
+    messages = await _until_done(communicator, {"ok"})
+    assert messages["ok"][-1]["type"] == "done"
+    await communicator.disconnect()
