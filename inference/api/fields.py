@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rest_framework import serializers
+from rest_framework.exceptions import ErrorDetail
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -52,6 +53,15 @@ class StopField(serializers.Field):
 
     def to_representation(self, value: Any) -> Any:
         return value
+
+
+class ModelField(serializers.CharField):
+    """`model`: a name. DRF's CharField would take 5 as "5" and answer 404 for a wrong type."""
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 def _is_int(value: Any) -> bool:
@@ -132,7 +142,7 @@ class StreamOptionsSerializer(serializers.Serializer):
 class SamplingInputSerializer(serializers.Serializer):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
 
-    model = serializers.CharField(max_length=200)
+    model = ModelField(max_length=200)
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
@@ -181,4 +191,6 @@ def refuse_unsupported(body: dict, known: set[str]) -> None:
             continue
         if name in UNSUPPORTED_FIELDS:
             raise serializers.ValidationError({name: f"{name} is not supported by this server."})
-        raise serializers.ValidationError({name: f"Unrecognized request argument supplied: {name}"})
+        # The code /v1/usage answers for an unknown field too (tenants.api.base.StrictSerializer).
+        message = f"Unrecognized request argument supplied: {name}"
+        raise serializers.ValidationError({name: [ErrorDetail(message, code="unknown_parameter")]})

@@ -40,7 +40,10 @@ def _choice(generation: Generation, item: ChoiceDelta | ChoiceFinished, offsets:
             "finish_reason": None,
         }
     logprobs = formatting.completion_logprobs(plan, item.logprobs, offset=offsets[item.index])
-    offsets[item.index] += len(item.text)
+    if logprobs is not None:
+        # Counted over the tokens' own texts, as the full answer does: the streamed text holds back
+        # a character split over several tokens, and offsets must not depend on how it was chunked.
+        offsets[item.index] += sum(len(token) for token in logprobs["tokens"])
     return {"index": item.index, "text": item.text, "logprobs": logprobs, "finish_reason": None}
 
 

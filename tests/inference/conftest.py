@@ -1,17 +1,25 @@
-"""The serving path's fixture world: tenants A and B with keys, a deployment of a tiny model,
-and a scripted engine replica on the real Redis."""
+"""The serving path's fixture world: tenants A and B with keys, a deployment of a tiny model, a real
+engine replica of it on the test Redis prefix, and a protocol fault injector for what that replica
+cannot be made to do on demand."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
+from engine.protocol import GenerateRequest, replicas_key, requests_stream
 from inference.models import ModelDeployment
 from tenants.models import ApiKey, Tenant
-from tests.inference.fakes import FakeEngine
+from tenants.redis_client import get_async_redis
+from tests.inference.fault_injection import ProtocolFaultInjector
 from tests.inference.peft_adapters import (  # noqa: F401 - fixtures of the adapter tests
     adapters_dir,
     celery_eager,
@@ -20,6 +28,8 @@ from tests.inference.peft_adapters import (  # noqa: F401 - fixtures of the adap
 )
 
 MAX_MODEL_LEN = 256
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +48,12 @@ class ServingWorld:
     key_a: ApiKey
     raw_key_a: str
     raw_key_b: str
-    engine: FakeEngine
+    faults: ProtocolFaultInjector
+
+    @property
+    def engine(self) -> ProtocolFaultInjector:
+        """The adapter-serving tests' name for the fault injector."""
+        return self.faults
 
     def headers(self, raw_key: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {raw_key or self.raw_key_a}"}
@@ -49,18 +64,119 @@ def make_world(*, model_dir: Path, slug_suffix: str = "", **limits_a) -> Serving
 
     # A fresh served name per test: heartbeats and request streams of tests never mix.
     model = f"tiny-{uuid.uuid4().hex[:8]}"
-    deployment = ModelDeployment.objects.create(name=model, model_path=str(model_dir), max_model_len=MAX_MODEL_LEN)
-    tenant_a = tenant_create(name="Tenant A", slug=f"tenant-a{slug_suffix}", allowed_models=[model], **limits_a)
+    deployment = ModelDeployment.objects.create(
+        name=model, model_path=str(model_dir), max_model_len=MAX_MODEL_LEN
+    )
+    tenant_a = tenant_create(
+        name="Tenant A", slug=f"tenant-a{slug_suffix}", allowed_models=[model], **limits_a
+    )
     # B may not use the model: it is "another tenant's" model from A's point of view and vice versa.
     tenant_b = tenant_create(name="Tenant B", slug=f"tenant-b{slug_suffix}", allowed_models=["b-only-model"])
     key_a, raw_key_a = api_key_create(tenant=tenant_a, name="a-key")
     _, raw_key_b = api_key_create(tenant=tenant_b, name="b-key")
-    return ServingWorld(model, deployment, tenant_a, tenant_b, key_a, raw_key_a, raw_key_b, FakeEngine(model))
+    return ServingWorld(
+        model, deployment, tenant_a, tenant_b, key_a, raw_key_a, raw_key_b, ProtocolFaultInjector(model)
+    )
 
 
 @pytest.fixture
 def world(transactional_db, served_model_dir) -> ServingWorld:
     return make_world(model_dir=served_model_dir)
+
+
+@contextmanager
+def running_engine_worker(world: ServingWorld) -> Iterator[object]:
+    """One real engine replica of the world's model (the tiny model's LLMEngine and the Redis loop,
+    in a thread of this process), live once this yields."""
+    import redis
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
+
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=world.deployment.model_path,
+            device="cpu",
+            dtype="float32",
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+            scheduler=SchedulerConfig(
+                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=8
+            ),
+        )
+    )
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    ws = WorkerSettings(
+        model=world.model, prefix=settings.REDIS_PREFIX, heartbeat_interval_s=0.2, idle_block_ms=20
+    )
+    queue = RequestQueue(
+        client,
+        prefix=ws.prefix,
+        model=ws.model,
+        replica_id=ws.replica_id,
+        output_ttl_s=ws.output_ttl_s,
+        heartbeat_ttl_s=ws.heartbeat_ttl_s,
+    )
+    worker = EngineWorker(engine, queue, ws)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    # The web tier refuses a model with no heartbeat (503): wait for the replica's first one.
+    deadline = time.monotonic() + 30
+    while client.zscore(replicas_key(ws.prefix, ws.model), ws.replica_id) is None:
+        assert thread.is_alive() and time.monotonic() < deadline, "the engine worker did not start"
+        time.sleep(0.01)
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        worker.request_stop()  # the second call stops at once, failing what is still running
+        thread.join(timeout=30)
+        client.close()
+
+
+@pytest.fixture
+def engine_worker(world) -> Iterator[object]:
+    with running_engine_worker(world) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="session")
+def reference_llm(served_model_dir):
+    """The same model run by the engine offline, without the web tier or Redis: what a served
+    greedy answer must equal. No prefix cache, so earlier prompts cannot change its arithmetic."""
+    from engine.llm import LLM
+
+    return LLM(
+        str(served_model_dir),
+        device="cpu",
+        dtype="float32",
+        num_blocks=NUM_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
+
+
+def offline_outputs(reference_llm, request: GenerateRequest) -> list:
+    """The engine's own completions (one per index) of a queued request, run offline."""
+    from engine.sampling_params import SamplingParams
+
+    [output] = reference_llm.generate(
+        [request.prompt_token_ids], SamplingParams.from_dict(request.sampling_params)
+    )
+    return sorted(output.outputs, key=lambda o: o.index)
+
+
+async def queued_requests(model: str) -> list[GenerateRequest]:
+    """Every request the web tier queued for `model` (entries stay in the stream once answered)."""
+    entries = await get_async_redis().xrange(requests_stream(settings.REDIS_PREFIX, model))
+    return [GenerateRequest.decode(fields) for _, fields in entries]
+
+
+def cached_prefix_len(prompt_len: int) -> int:
+    """Tokens a repeated prompt finds in the prefix cache: its full blocks, never its last token."""
+    return (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 @pytest.fixture(autouse=True)

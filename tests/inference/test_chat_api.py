@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions against a scripted engine replica on the real Redis."""
+"""POST /v1/chat/completions answered by a real engine replica of the tiny model (greedy, so every
+answer is checked against the engine's own offline output for the request that was queued)."""
 
 from __future__ import annotations
 
@@ -11,36 +12,57 @@ from django.test import AsyncClient
 
 from inference.tokenization import chat_prompt_ids
 from tenants.models import UsageRecord
+from tenants.services import usage_record_create
+from tests.inference.conftest import (
+    cached_prefix_len,
+    make_world,
+    offline_outputs,
+    queued_requests,
+    running_engine_worker,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 URL = "/v1/chat/completions"
-HELLO = [("Hel", [11, 12]), ("lo!", [13])]
+# Long enough for several full KV blocks of 16 tokens.
+LONG = (
+    "Summarize the following notes about the harbor, the lighthouse, the ferry timetable and the fish market. "
+    * 2
+)
 
 
 async def post(world, body: dict, raw_key: str | None = None):
-    return await AsyncClient().post(URL, json.dumps(body), content_type="application/json", headers=world.headers(raw_key))
+    return await AsyncClient().post(
+        URL, json.dumps(body), content_type="application/json", headers=world.headers(raw_key)
+    )
 
 
-def chat_body(world, **extra) -> dict:
-    return {"model": world.model, "messages": [{"role": "user", "content": "Hi there"}], **extra}
+def chat_body(world, content: str = "Hi there", **extra) -> dict:
+    return {"model": world.model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_events(raw: bytes) -> list[str]:
+    return [e[len("data: ") :] for e in raw.decode().split("\n\n") if e]
 
 
 async def ledger(request_id: str | None = None) -> list[UsageRecord]:
-    qs = UsageRecord.objects.all() if request_id is None else UsageRecord.objects.filter(request_id=request_id)
-    return await sync_to_async(list)(qs)
+    qs = (
+        UsageRecord.objects.all() if request_id is None else UsageRecord.objects.filter(request_id=request_id)
+    )
+    return await sync_to_async(list)(qs.order_by("created_at"))
 
 
-async def test_chat_completion_has_openai_shape_and_one_ledger_row(world):
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one(HELLO, cached_tokens=3))
-
-    response = await post(world, chat_body(world, max_tokens=5, temperature=0, seed=7, stop=["\n"]))
+async def test_chat_completion_has_openai_shape_and_one_ledger_row(world, engine_worker, reference_llm):
+    response = await post(
+        world, chat_body(world, max_tokens=5, temperature=0, seed=7, stop=["\n"], ignore_eos=True)
+    )
 
     assert response.status_code == 200
     body = response.json()
-    request = await served
     request_id = response["x-request-id"]
+    [request] = await queued_requests(world.model)
+    [expected] = offline_outputs(reference_llm, request)
+    prompt_len = len(request.prompt_token_ids)
     assert body == {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
@@ -50,92 +72,156 @@ async def test_chat_completion_has_openai_shape_and_one_ledger_row(world):
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "Hello!", "refusal": None},
+                "message": {"role": "assistant", "content": expected.text, "refusal": None},
                 "logprobs": None,
-                "finish_reason": "stop",
+                "finish_reason": expected.finish_reason,
             }
         ],
         "usage": {
-            "prompt_tokens": len(request.prompt_token_ids),
-            "completion_tokens": 3,
-            "total_tokens": len(request.prompt_token_ids) + 3,
-            "prompt_tokens_details": {"cached_tokens": 3},
+            "prompt_tokens": prompt_len,
+            "completion_tokens": 5,
+            "total_tokens": prompt_len + 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
         },
     }
+    assert len(expected.token_ids) == 5 and expected.text
     # The prompt is the chat template's rendering; the cache salt is the tenant's, set by the server.
-    expected_ids = await sync_to_async(chat_prompt_ids)(world.deployment.model_path, [{"role": "user", "content": "Hi there"}])
+    expected_ids = await sync_to_async(chat_prompt_ids)(
+        world.deployment.model_path, [{"role": "user", "content": "Hi there"}]
+    )
     assert request.prompt_token_ids == expected_ids
+    assert request.request_id == request_id
     assert request.cache_salt == f"tenant:{world.tenant_a.id}"
     assert request.tenant == world.tenant_a.slug
     assert request.sampling_params == {
-        "temperature": 0.0, "seed": 7, "n": 1, "max_tokens": 5, "stop": ["\n"],
+        "temperature": 0.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "n": 1,
+        "max_tokens": 5,
+        "stop": ["\n"],
     }
     rows = await ledger()
-    assert [(r.request_id, r.status, r.prompt_tokens, r.completion_tokens, r.cached_tokens) for r in rows] == [
-        (request_id, "success", len(expected_ids), 3, 3)
-    ]
+    assert [
+        (r.request_id, r.status, r.prompt_tokens, r.completion_tokens, r.cached_tokens) for r in rows
+    ] == [(request_id, "success", len(expected_ids), 5, 0)]
 
 
-async def test_cache_salt_in_the_body_is_refused(world):
-    await world.engine.heartbeat()
-    response = await post(world, chat_body(world, cache_salt="someone-else"))
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "cache_salt"
-    assert await world.engine.queued_count() == 0
+async def test_streamed_chat_sends_role_then_the_same_text_as_the_plain_answer_then_finish_usage_done(
+    world, engine_worker
+):
+    body = chat_body(world, max_tokens=8, temperature=0, ignore_eos=True)
+    plain = (await post(world, body)).json()
 
-
-async def test_streamed_chat_sends_role_content_finish_usage_then_done(world):
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one(HELLO))
-
-    response = await post(world, chat_body(world, stream=True, stream_options={"include_usage": True}))
+    response = await post(world, {**body, "stream": True, "stream_options": {"include_usage": True}})
 
     assert response.status_code == 200
     assert response["Content-Type"] == "text/event-stream"
-    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
-    await served
-    events = [e[len("data: "):] for e in raw.split("\n\n") if e]
+    events = sse_events(b"".join([chunk async for chunk in response.streaming_content]))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     rid = response["x-request-id"]
     assert {c["id"] for c in chunks} == {f"chatcmpl-{rid}"}
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
-    assert [c["choices"] for c in chunks[:-1]] == [
-        [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-        [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}],
-        [{"index": 0, "delta": {"content": "lo!"}, "logprobs": None, "finish_reason": None}],
-        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}],
+    first, *content, finish, usage = chunks
+    assert first["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     ]
+    assert content and all(
+        c["choices"]
+        == [
+            {
+                "index": 0,
+                "delta": {"content": c["choices"][0]["delta"]["content"]},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
+        for c in content
+    )
+    text = "".join(c["choices"][0]["delta"]["content"] for c in content)
+    assert text == plain["choices"][0]["message"]["content"]
+    assert finish["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
     assert all(c["usage"] is None for c in chunks[:-1])
-    assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"]["completion_tokens"] == 3
-    assert len(await ledger(rid)) == 1
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 8
+    assert usage["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert [(r.status, r.completion_tokens) for r in await ledger(rid)] == [("success", 8)]
 
 
-async def test_chat_logprobs_have_openai_shape(world):
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one([("a", [65])], logprobs=True))
+async def test_a_repeated_prompt_of_several_blocks_reports_its_cached_tokens(world, engine_worker):
+    body = chat_body(world, LONG, max_tokens=3, temperature=0, ignore_eos=True)
 
-    response = await post(world, chat_body(world, logprobs=True, top_logprobs=2))
+    first = (await post(world, body)).json()
+    second = (await post(world, body)).json()
 
-    await served
+    prompt_len = first["usage"]["prompt_tokens"]
+    assert prompt_len > 3 * 16
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached_prefix_len(prompt_len)}
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    rows = await ledger()
+    assert [(r.request_id, r.cached_tokens) for r in rows] == [
+        (first["id"].removeprefix("chatcmpl-"), 0),
+        (second["id"].removeprefix("chatcmpl-"), cached_prefix_len(prompt_len)),
+    ]
+
+
+async def test_chat_logprobs_have_openai_shape_and_greedy_picks_the_top_token(world, engine_worker):
+    response = await post(
+        world, chat_body(world, max_tokens=4, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    )
+
+    assert response.status_code == 200
     content = response.json()["choices"][0]["logprobs"]["content"]
-    assert len(content) == 1
-    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
-    assert content[0]["logprob"] == -0.5
-    assert content[0]["bytes"] == list(content[0]["token"].encode())
-    assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.5, -1.5]
+    assert len(content) == 4
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 2
+        best, runner_up = entry["top_logprobs"]
+        assert (best["token"], best["logprob"]) == (entry["token"], entry["logprob"])
+        assert 0.0 >= best["logprob"] >= runner_up["logprob"]
 
 
-async def test_n_choices_are_indexed(world):
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one(HELLO))
-    response = await post(world, chat_body(world, n=2))
-    request = await served
-    assert request.sampling_params["n"] == 2
+async def test_n_choices_are_indexed_and_greedy_choices_agree(world, engine_worker):
+    single = (await post(world, chat_body(world, max_tokens=6, temperature=0, ignore_eos=True))).json()
+
+    response = await post(world, chat_body(world, max_tokens=6, temperature=0, ignore_eos=True, n=2))
+
+    assert response.status_code == 200
+    requests = await queued_requests(world.model)
+    assert [r.sampling_params["n"] for r in requests] == [1, 2]
+    text = single["choices"][0]["message"]["content"]
     choices = response.json()["choices"]
-    assert [(c["index"], c["message"]["content"]) for c in choices] == [(0, "Hello!"), (1, "Hello!")]
-    assert response.json()["usage"]["completion_tokens"] == 6
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in choices] == [
+        (0, text, "length"),
+        (1, text, "length"),
+    ]
+    assert response.json()["usage"]["completion_tokens"] == 12
+
+
+async def test_a_stop_string_from_the_greedy_answer_cuts_the_answer_before_it(world, engine_worker):
+    body = chat_body(world, max_tokens=12, temperature=0, ignore_eos=True)
+    full = (await post(world, body)).json()["choices"][0]["message"]["content"]
+    # The first two letters in a row past the first character: a stop string that does occur.
+    start = next(
+        i for i in range(1, len(full) - 1) if full[i : i + 2].isascii() and full[i : i + 2].isalpha()
+    )
+    stop = full[start : start + 2]
+
+    response = await post(world, {**body, "stop": [stop, "never-in-it"]})
+
+    [choice] = response.json()["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (full[: full.index(stop)], "stop")
+    assert response.json()["usage"]["completion_tokens"] < 12
+
+
+async def test_cache_salt_in_the_body_is_refused(world):
+    response = await post(world, chat_body(world, cache_salt="someone-else"))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "cache_salt"
+    assert await queued_requests(world.model) == []
 
 
 @pytest.mark.parametrize(
@@ -149,17 +235,39 @@ async def test_n_choices_are_indexed(world):
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": 5}, "model"),
     ],
 )
 async def test_unsupported_or_invalid_fields_are_a_400_naming_the_param(world, extra, param):
-    await world.engine.heartbeat()
     response = await post(world, chat_body(world, **extra))
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert response["x-request-id"]
-    assert await world.engine.queued_count() == 0
+    assert await queued_requests(world.model) == []
+
+
+async def test_a_model_that_is_not_a_string_is_a_wrong_type_not_an_unknown_model(world):
+    response = await post(world, {**chat_body(world), "model": 5})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "Not a valid string.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "invalid",
+    }
+
+
+async def test_an_unknown_field_is_unknown_parameter_as_on_usage(world):
+    chat = await post(world, chat_body(world, frobnicate=1))
+    usage = await AsyncClient().get("/v1/usage?frobnicate=1", headers=world.headers())
+    for response in (chat, usage):
+        assert response.status_code == 400
+        assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (
+            "frobnicate",
+            "unknown_parameter",
+        )
 
 
 async def test_bad_key_is_401_with_request_id(world):
@@ -170,54 +278,126 @@ async def test_bad_key_is_401_with_request_id(world):
 
 
 async def test_unknown_model_and_another_tenants_model_are_404(world):
-    await world.engine.heartbeat()
     unknown = await post(world, {**chat_body(world), "model": "no-such-model"})
     other = await post(world, chat_body(world), raw_key=world.raw_key_b)
     for response in (unknown, other):
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "model_not_found"
-    assert await world.engine.queued_count() == 0
+    assert await queued_requests(world.model) == []
     assert await ledger() == []
 
 
 async def test_too_long_prompt_is_400_naming_both_numbers(world):
-    await world.engine.heartbeat()
     response = await post(world, chat_body(world, max_tokens=250))
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    prompt_len = len(await sync_to_async(chat_prompt_ids)(world.deployment.model_path, [{"role": "user", "content": "Hi there"}]))
+    prompt_len = len(
+        await sync_to_async(chat_prompt_ids)(
+            world.deployment.model_path, [{"role": "user", "content": "Hi there"}]
+        )
+    )
     assert "maximum context length is 256 tokens" in error["message"]
-    assert f"requested {prompt_len + 250} tokens ({prompt_len} in the messages, 250 in the completion)" in error["message"]
-    assert await world.engine.queued_count() == 0
+    assert (
+        f"requested {prompt_len + 250} tokens ({prompt_len} in the messages, 250 in the completion)"
+        in error["message"]
+    )
+    assert await queued_requests(world.model) == []
 
 
 async def test_no_live_replica_is_503_and_nothing_is_queued_or_billed(world):
     response = await post(world, chat_body(world))
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "engine_unavailable"
-    assert await world.engine.queued_count() == 0
+    assert await queued_requests(world.model) == []
     assert await ledger() == []
+
+
+async def test_an_exhausted_monthly_quota_is_429_insufficient_quota_and_nothing_is_queued(
+    transactional_db, served_model_dir
+):
+    world = await sync_to_async(make_world)(model_dir=served_model_dir, monthly_token_quota=1000)
+    # Earlier this month the tenant used its whole quota.
+    await sync_to_async(usage_record_create)(
+        tenant_id=world.tenant_a.pk,
+        api_key_id=world.key_a.pk,
+        model=world.model,
+        adapter=None,
+        prompt_tokens=600,
+        completion_tokens=400,
+        cached_tokens=0,
+        time_to_first_token_ms=5.0,
+        latency_ms=20.0,
+        status="success",
+        request_id="earlier",
+    )
+    with running_engine_worker(world):
+        response = await post(world, chat_body(world, max_tokens=2))
+
+    assert response.status_code == 429
+    assert response["x-should-retry"] == "false"
+    assert response["x-request-id"]
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+    assert await queued_requests(world.model) == []
+    assert [r.request_id for r in await ledger()] == ["earlier"]
 
 
 async def test_engine_error_mid_stream_is_an_error_event_then_done(world):
     from engine.protocol import DeltaOutput, Event, Usage
 
-    await world.engine.heartbeat()
+    await world.faults.heartbeat()
 
-    async def fail():
-        request = await world.engine.next_request()
-        await world.engine.emit(request.request_id, Event.delta([DeltaOutput(0, "Hi", [5, 6])]))
-        await world.engine.emit(request.request_id, Event.error("boom", "engine_error", Usage(4, 2)))
+    async def fail_after_two_tokens():
+        request = await world.faults.next_request()
+        await world.faults.emit(request.request_id, Event.delta([DeltaOutput(0, "Hi", [5, 6])]))
+        await world.faults.emit(request.request_id, Event.error("boom", "engine_error", Usage(4, 2)))
 
-    served = asyncio.create_task(fail())
+    faulted = asyncio.create_task(fail_after_two_tokens())
     response = await post(world, chat_body(world, stream=True))
-    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
-    await served
-    events = [e[len("data: "):] for e in raw.split("\n\n") if e]
-    assert events[-1] == "[DONE]"
+    events = sse_events(b"".join([chunk async for chunk in response.streaming_content]))
+    await faulted
+
+    assert [json.loads(e)["choices"][0]["delta"] for e in events[:-2]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hi"},
+    ]
     assert json.loads(events[-2]) == {
         "error": {"message": "boom", "type": "server_error", "param": None, "code": "engine_error"}
     }
+    assert events[-1] == "[DONE]"
+    [row] = await ledger(response["x-request-id"])
+    assert (row.status, row.completion_tokens) == ("error", 2)
+
+
+async def test_a_malformed_engine_event_ends_the_stream_with_a_server_error_and_aborts(world):
+    from engine.protocol import DeltaOutput, Event
+
+    await world.faults.heartbeat()
+    response = await post(world, chat_body(world, stream=True))
+    request = await world.faults.next_request()
+    await world.faults.emit(request.request_id, Event.delta([DeltaOutput(0, "Hi", [5, 6])]))
+    chunks = aiter(response.streaming_content)
+    role, hi = [json.loads(sse_events(await anext(chunks))[0]) for _ in range(2)]
+
+    await world.faults.emit_raw(request.request_id, {"data": '{"v": 999, "type": "delta"}'})
+
+    rest = sse_events(b"".join([chunk async for chunk in chunks]))
+    assert (role["choices"][0]["delta"], hi["choices"][0]["delta"]) == (
+        {"role": "assistant", "content": ""},
+        {"content": "Hi"},
+    )
+    assert [json.loads(rest[0]), rest[1]] == [
+        {
+            "error": {
+                "message": "The server had an error while processing your request.",
+                "type": "server_error",
+                "param": None,
+                "code": "internal_error",
+            }
+        },
+        "[DONE]",
+    ]
+    assert await world.faults.cancels() == [request.request_id]
     [row] = await ledger(response["x-request-id"])
     assert (row.status, row.completion_tokens) == ("error", 2)

@@ -1,4 +1,5 @@
-"""The generation lifecycle: aborts when the client goes away, settlement, engine death."""
+"""The generation lifecycle against a real engine replica: aborts when the client goes away,
+settlement, rate limits; and a replica that vanishes (injected)."""
 
 from __future__ import annotations
 
@@ -9,73 +10,102 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
+from engine.protocol import cancel_request_id, cancel_stream
 from inference.services import ChoiceDelta, Generation, chat_plan_create, new_request_id
 from tenants.models import UsageRecord
+from tenants.redis_client import get_async_redis
 from tenants.services import api_key_authenticate
-from tests.inference.conftest import make_world
+from tests.inference.conftest import make_world, queued_requests, running_engine_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 async def _generation(world, **extra) -> Generation:
     auth = await sync_to_async(api_key_authenticate)(raw_key=world.raw_key_a)
-    data = {"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **extra}
+    data = {"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, **extra}
     plan = await sync_to_async(chat_plan_create)(auth=auth, data=data, request_id=new_request_id())
     return Generation(auth=auth, plan=plan)
 
 
-async def test_a_generation_closed_mid_stream_signals_abort_and_bills_only_produced_tokens(world):
-    from engine.protocol import DeltaOutput, Event
+async def _cancels(world) -> list[str]:
+    from django.conf import settings
 
-    await world.engine.heartbeat()
-    generation = await _generation(world)
+    entries = await get_async_redis().xrange(cancel_stream(settings.REDIS_PREFIX, world.model))
+    return [cancel_request_id(fields) for _, fields in entries]
+
+
+async def _until_idle(worker) -> object:
+    for _ in range(200):  # the engine drops an aborted sequence at its next step
+        stats = worker.stats()
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            break
+        await asyncio.sleep(0.05)
+    return stats
+
+
+async def test_a_generation_closed_mid_stream_signals_abort_and_bills_only_delivered_tokens(
+    world, engine_worker
+):
+    generation = await _generation(world, max_tokens=200, ignore_eos=True)
     events = generation.run()
     assert await anext(events) is None  # admitted and queued
-    request = await world.engine.next_request()
-    await world.engine.emit(request.request_id, Event.delta([DeltaOutput(0, "ab", [3, 4])]))
     first = await anext(events)
-    assert isinstance(first, ChoiceDelta) and first.token_ids == [3, 4]
+    assert isinstance(first, ChoiceDelta) and first.token_ids
 
     await events.aclose()  # what the SSE response does when the client disconnects
 
-    assert await world.engine.cancels() == [request.request_id]
+    [request] = await queued_requests(world.model)
+    assert await _cancels(world) == [request.request_id] == [generation.plan.request_id]
     row = await UsageRecord.objects.aget(request_id=generation.plan.request_id)
-    assert (row.status, row.completion_tokens, row.prompt_tokens) == ("cancelled", 2, len(request.prompt_token_ids))
+    assert (row.status, row.completion_tokens, row.prompt_tokens) == (
+        "cancelled",
+        len(first.token_ids),
+        len(request.prompt_token_ids),
+    )
+    stats = await _until_idle(engine_worker)
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_total_blocks)
 
 
-async def test_a_cancelled_task_still_settles_once(world):
-    await world.engine.heartbeat()
-    generation = await _generation(world)
+async def test_a_cancelled_task_still_settles_once(world, engine_worker):
+    generation = await _generation(world, max_tokens=200, ignore_eos=True)
     events = generation.run()
     await anext(events)
+    first_token = asyncio.Event()
 
     async def drain():
-        async for _ in events:
-            pass
+        async for item in events:
+            if isinstance(item, ChoiceDelta):
+                first_token.set()
 
     task = asyncio.create_task(drain())
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(first_token.wait(), timeout=30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await UsageRecord.objects.filter(request_id=generation.plan.request_id).acount() == 1
-    assert (await UsageRecord.objects.aget(request_id=generation.plan.request_id)).status == "cancelled"
+
+    rows = await sync_to_async(list)(UsageRecord.objects.filter(request_id=generation.plan.request_id))
+    assert [r.status for r in rows] == ["cancelled"]
+    assert 1 <= rows[0].completion_tokens < 200
+    assert await _cancels(world) == [generation.plan.request_id]
+    assert (await _until_idle(engine_worker)).num_running == 0
 
 
 async def test_the_stream_fails_instead_of_hanging_when_every_replica_is_gone(world):
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.next_request())
+    await world.faults.heartbeat()
+    taken = asyncio.create_task(world.faults.next_request())
     response_task = asyncio.create_task(
         AsyncClient().post(
             "/v1/chat/completions",
-            json.dumps({"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "stream": True}),
+            json.dumps(
+                {"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+            ),
             content_type="application/json",
             headers=world.headers(),
         )
     )
-    await served
+    await taken
     response = await response_task
-    await world.engine.stop_heartbeat()  # the replica died before producing anything
+    await world.faults.vanish()  # the replica died before producing anything
     raw = b"".join([c async for c in response.streaming_content]).decode()
     events = [e[6:] for e in raw.split("\n\n") if e]
     assert events[-1] == "[DONE]"
@@ -86,22 +116,25 @@ async def test_the_stream_fails_instead_of_hanging_when_every_replica_is_gone(wo
 
 async def test_rate_limit_is_429_with_headers_and_nothing_queued(transactional_db, served_model_dir):
     world = await sync_to_async(make_world)(model_dir=served_model_dir, requests_per_minute=1)
-    await world.engine.heartbeat()
-    body = json.dumps({"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-    served = asyncio.create_task(world.engine.serve_one([("a", [1])]))
-    ok = await AsyncClient().post("/v1/chat/completions", body, content_type="application/json", headers=world.headers())
-    await served
+    body = json.dumps(
+        {"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
+    with running_engine_worker(world):
+        ok = await AsyncClient().post(
+            "/v1/chat/completions", body, content_type="application/json", headers=world.headers()
+        )
+        refused = await AsyncClient().post(
+            "/v1/chat/completions", body, content_type="application/json", headers=world.headers()
+        )
+
     assert ok.status_code == 200
     assert ok["x-ratelimit-limit-requests"] == "1"
-
-    refused = await AsyncClient().post(
-        "/v1/chat/completions", body, content_type="application/json", headers=world.headers()
-    )
-
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused["retry-after"]) >= 1
     assert refused["x-ratelimit-remaining-requests"] == "0"
     assert refused["x-request-id"]
-    assert await world.engine.queued_count() == 1
-    assert await UsageRecord.objects.acount() == 1
+    assert [r.request_id for r in await queued_requests(world.model)] == [ok["x-request-id"]]
+    assert await sync_to_async(list)(UsageRecord.objects.values_list("request_id", "status")) == [
+        (ok["x-request-id"], "success")
+    ]

@@ -1,4 +1,5 @@
-"""GET /v1/models, /ready per model, /metrics, and the deployment admin's replica table."""
+"""GET /v1/models, /ready per model, /metrics, and the deployment admin's replica table, with a real
+engine replica publishing its heartbeats."""
 
 from __future__ import annotations
 
@@ -6,12 +7,20 @@ import asyncio
 import json
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.contrib.auth import get_user_model
 from django.test import AsyncClient, Client
 
 from inference.models import ModelDeployment
+from tests.inference.conftest import NUM_BLOCKS
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+# Long enough for several full KV blocks of 16 tokens.
+LONG = (
+    "Summarize the following notes about the harbor, the lighthouse, the ferry timetable and the fish market. "
+    * 2
+)
 
 
 async def test_models_lists_only_enabled_models_the_key_may_use(world):
@@ -49,60 +58,91 @@ async def test_ready_is_503_for_an_enabled_model_without_a_live_replica(world):
     assert response.json()["models"][world.model] == {"ready": False, "replicas": []}
     assert world.model in response.json()["checks"]["engines"]
 
-    await world.engine.heartbeat(num_running=2)
+
+async def test_ready_lists_the_live_engine_replica_of_each_model(world, engine_worker):
     response = await AsyncClient().get("/ready")
     assert response.status_code == 200
-    [replica] = response.json()["models"][world.model]["replicas"]
-    assert (replica["replica_id"], replica["num_running"]) == ("fake-1", 2)
+    model = response.json()["models"][world.model]
+    assert model["ready"] is True
+    [replica] = model["replicas"]
+    assert (replica["replica_id"], replica["num_running"]) == (engine_worker.settings.replica_id, 0)
 
 
-async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(world):
-    await world.engine.heartbeat(num_running=3, kv_cache_usage=0.25)
-    served = asyncio.create_task(world.engine.serve_one([("ab", [1, 2])], cached_tokens=1))
-    await AsyncClient().post(
-        "/v1/chat/completions",
-        json.dumps({"model": world.model, "messages": [{"role": "user", "content": "Hi"}]}),
-        content_type="application/json",
-        headers=world.headers(),
-    )
-    await served
+async def _heartbeat_matching(worker) -> object:
+    """The replica's own stats, once its published heartbeat shows them (it beats every 0.2 s)."""
+    from inference.selectors import deployment_replicas
+
+    for _ in range(100):
+        stats = worker.stats()
+        [published] = await sync_to_async(deployment_replicas)(name=worker.settings.model)
+        if (published.num_running, published.prefix_cache_hit_rate) == (0, stats.prefix_cache_hit_rate):
+            return published
+        await asyncio.sleep(0.05)
+    raise AssertionError("the replica's heartbeat never showed it idle")
+
+
+async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(world, engine_worker):
+    body = {
+        "model": world.model,
+        "messages": [{"role": "user", "content": LONG}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    answers = []
+    for _ in range(2):  # the second finds the first one's prompt blocks cached
+        response = await AsyncClient().post(
+            "/v1/chat/completions", json.dumps(body), content_type="application/json", headers=world.headers()
+        )
+        answers.append(response.json())
     await AsyncClient().post(
         "/v1/chat/completions",
         json.dumps({"model": "nope", "messages": [{"role": "user", "content": "Hi"}]}),
         content_type="application/json",
         headers=world.headers(),
     )
+    cached = answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    stats = await _heartbeat_matching(engine_worker)
+    assert stats.prefix_cache_hit_rate > 0
 
     text = (await AsyncClient().get("/metrics")).content.decode()
 
     # prometheus_client writes label pairs sorted by name.
     labels = f'model="{world.model}",tenant="{world.tenant_a.slug}"'
-    assert f'pagoda_requests_total{{model="{world.model}",status="success",tenant="{world.tenant_a.slug}"}} 1.0' in text
-    assert f"pagoda_completion_tokens_total{{{labels}}} 2.0" in text
-    assert f"pagoda_cached_tokens_total{{{labels}}} 1.0" in text
-    assert f"pagoda_time_to_first_token_seconds_count{{{labels}}} 1.0" in text
-    assert f"pagoda_e2e_request_latency_seconds_count{{{labels}}} 1.0" in text
+    assert (
+        f'pagoda_requests_total{{model="{world.model}",status="success",tenant="{world.tenant_a.slug}"}} 2.0'
+        in text
+    )
+    assert f"pagoda_completion_tokens_total{{{labels}}} 4.0" in text
+    assert f"pagoda_cached_tokens_total{{{labels}}} {float(cached)}" in text
+    assert f"pagoda_time_to_first_token_seconds_count{{{labels}}} 2.0" in text
+    assert f"pagoda_e2e_request_latency_seconds_count{{{labels}}} 2.0" in text
     # An unknown model name is not a label value: it cannot mint new series.
-    assert f'pagoda_request_errors_total{{code="model_not_found",model="-",tenant="{world.tenant_a.slug}"}}' in text
-    assert f'pagoda_engine_running_requests{{model="{world.model}"}} 3.0' in text
-    assert f'pagoda_engine_kv_cache_usage{{model="{world.model}"}} 0.25' in text
-    assert f'pagoda_engine_replicas{{model="{world.model}"}} 1.0' in text
+    assert (
+        f'pagoda_request_errors_total{{code="model_not_found",model="-",tenant="{world.tenant_a.slug}"}}'
+        in text
+    )
+    model = f'{{model="{world.model}"}}'
+    assert f"pagoda_engine_replicas{model} 1.0" in text
+    assert f"pagoda_engine_running_requests{model} 0.0" in text
+    assert f"pagoda_engine_prefix_cache_hit_rate{model} {stats.prefix_cache_hit_rate!r}" in text
+    assert f"pagoda_engine_total_kv_blocks{model} {float(NUM_BLOCKS)}" in text
+    assert f"pagoda_engine_free_kv_blocks{model} {float(stats.num_free_blocks)}" in text
     assert "request_id" not in text
 
 
-def test_admin_shows_live_replicas(world):
-    from asgiref.sync import async_to_sync
-
-    async_to_sync(world.engine.heartbeat)(num_running=4, prefix_cache_hit_rate=0.5)
+def test_admin_shows_live_replicas(world, engine_worker):
     admin = get_user_model().objects.create_superuser("root", "root@example.com", "pw")
     client = Client()
     client.force_login(admin)
     page = client.get(f"/admin/inference/modeldeployment/{world.deployment.pk}/change/")
     assert page.status_code == 200
-    html = page.content.decode()
-    i = html.lower().find("replica")
-    assert "fake-1" in html
-    assert "<td>4</td>" in html
-    assert "50.0%" in html
+    # An idle replica that has served nothing yet.
+    row = (
+        f"<tr><td>{engine_worker.settings.replica_id}</td><td>0</td><td>0</td><td>0.0%</td><td>0.0%</td>"
+        f"<td>{NUM_BLOCKS} / {NUM_BLOCKS}</td></tr>"
+    )
+    assert row in page.content.decode()
     listing = client.get("/admin/inference/modeldeployment/")
     assert listing.status_code == 200

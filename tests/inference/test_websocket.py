@@ -5,51 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Iterator
 
 import pytest
 from channels.testing import WebsocketCommunicator
-from django.conf import settings
 
 from config.asgi import application
 from tenants.models import UsageRecord
+from tests.inference.conftest import queued_requests
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def engine_worker(world) -> Iterator[object]:
-    """One real engine replica of the world's model on the test Redis prefix."""
-    import redis
-
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
-
-    engine = LLMEngine.from_config(
-        EngineConfig(
-            model=world.deployment.model_path,
-            device="cpu",
-            dtype="float32",
-            cache=CacheConfig(num_blocks=64),
-            scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8),
-        )
-    )
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    ws = WorkerSettings(model=world.model, prefix=settings.REDIS_PREFIX, heartbeat_interval_s=0.2, idle_block_ms=20)
-    queue = RequestQueue(
-        client, prefix=ws.prefix, model=ws.model, replica_id=ws.replica_id,
-        output_ttl_s=ws.output_ttl_s, heartbeat_ttl_s=ws.heartbeat_ttl_s,
-    )
-    worker = EngineWorker(engine, queue, ws)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    yield worker
-    worker.request_stop()
-    worker.request_stop()
-    thread.join(timeout=30)
-    client.close()
 
 
 async def _connect(subprotocols: list[str] | None = None) -> WebsocketCommunicator:
@@ -60,11 +24,18 @@ async def _connect(subprotocols: list[str] | None = None) -> WebsocketCommunicat
 
 
 def _chat(stream_id: str, model: str, **extra) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a story"}], "temperature": 0, **extra}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "temperature": 0,
+        **extra,
+    }
     return {"type": "chat", "id": stream_id, "request": body}
 
 
-async def _until_done(communicator: WebsocketCommunicator, ids: set[str], timeout: float = 60) -> dict[str, list[dict]]:
+async def _until_done(
+    communicator: WebsocketCommunicator, ids: set[str], timeout: float = 60
+) -> dict[str, list[dict]]:
     """Messages per stream id until each of `ids` has ended (done, error or cancelled)."""
     messages: dict[str, list[dict]] = {i: [] for i in ids}
     open_ids = set(ids)
@@ -105,7 +76,7 @@ async def test_chat_before_auth_is_an_error_and_nothing_is_queued(world):
     message = await communicator.receive_json_from(timeout=10)
     assert message["type"] == "error" and message["error"]["code"] == "invalid_api_key"
     assert "Authenticate first" in message["error"]["message"]
-    assert await world.engine.queued_count() == 0
+    assert await queued_requests(world.model) == []
     await communicator.disconnect()
 
 
@@ -149,7 +120,9 @@ async def test_streamed_text_equals_the_rest_answer_under_greedy(world, engine_w
     await communicator.disconnect()
 
 
-async def test_cancel_stops_one_stream_bills_only_what_was_produced_and_frees_its_blocks(world, engine_worker):
+async def test_cancel_stops_one_stream_bills_only_what_was_produced_and_frees_its_blocks(
+    world, engine_worker
+):
     communicator = await _connect(["pagoda.v1", f"pagoda.bearer.{world.raw_key_a}"])
     assert (await communicator.receive_json_from(timeout=10))["type"] == "authenticated"
     await communicator.send_json_to(_chat("long", world.model, max_tokens=200, ignore_eos=True))

@@ -131,7 +131,7 @@ def test_wrong_types_are_400_naming_the_param(client, fields, param, code):
 def test_unknown_fields_are_400_naming_the_field(client, name):
     body = {"model": MODEL, "messages": MESSAGES, name: 1}
     response = client.post(CHAT, json.dumps(body), content_type="application/json")
-    error = _assert_openai_error(response, 400, "invalid", name)
+    error = _assert_openai_error(response, 400, "unknown_parameter", name)
     assert error["message"] == f"Unrecognized request argument supplied: {name}"
 
 

@@ -1,11 +1,12 @@
-"""A scripted stand-in for an engine replica, speaking engine/protocol.py over the real Redis.
+"""A replica that injects protocol faults: it speaks engine/protocol.py over the real Redis, but
+only to produce what the real engine worker cannot be made to produce on demand (an error event in
+the middle of a stream, a malformed event, a replica that vanishes while holding a request).
 
-It tests the web side's handling of the protocol; the e2e tests run the real engine worker.
+Healthy serving is tested against the real engine worker (the `engine_worker` fixture).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from django.conf import settings
@@ -27,14 +28,15 @@ from engine.protocol import (
 from tenants.redis_client import get_async_redis
 
 
-class FakeEngine:
-    def __init__(self, model: str, replica_id: str = "fake-1") -> None:
+class ProtocolFaultInjector:
+    def __init__(self, model: str, replica_id: str = "fault-injector-1") -> None:
         self.model = model
         self.replica_id = replica_id
         self.prefix = settings.REDIS_PREFIX
         self._cursor = "0-0"
 
     async def heartbeat(self, *, num_free_blocks: int = 10, **stats) -> None:
+        """Announce a live replica with the given stats (the real one's are whatever it measures)."""
         redis = get_async_redis()
         body = ReplicaStats(
             replica_id=self.replica_id,
@@ -50,7 +52,8 @@ class FakeEngine:
         await redis.set(replica_stats_key(self.prefix, self.model, self.replica_id), body.encode(), ex=30)
         await redis.zadd(replicas_key(self.prefix, self.model), {self.replica_id: time.time()})
 
-    async def stop_heartbeat(self) -> None:
+    async def vanish(self) -> None:
+        """Disappear as a killed replica does: no more heartbeats, nothing more on any stream."""
         redis = get_async_redis()
         await redis.zrem(replicas_key(self.prefix, self.model), self.replica_id)
         await redis.delete(replica_stats_key(self.prefix, self.model, self.replica_id))
@@ -77,40 +80,23 @@ class FakeEngine:
     async def emit(self, request_id: str, event: Event) -> None:
         await get_async_redis().xadd(output_stream(self.prefix, request_id), event.encode())
 
-    async def reply(
-        self,
-        request: GenerateRequest,
-        pieces: list[tuple[str, list[int]]],
-        *,
-        finish_reason: str = "stop",
-        cached_tokens: int = 0,
-        logprobs: bool = False,
-        delay: float = 0.0,
-    ) -> None:
-        """Stream `pieces` (text, token ids) to every index, then finish with usage."""
+    async def emit_raw(self, request_id: str, fields: dict[str, str]) -> None:
+        """Write an entry that is not a valid event (a replica of another protocol version, a bug)."""
+        await get_async_redis().xadd(output_stream(self.prefix, request_id), fields)
+
+    async def serve_one(self, pieces: list[tuple[str, list[int]]]) -> GenerateRequest:
+        """Answer the next request with `pieces` (text, token ids) per index, as a replica would.
+
+        Only for the adapter-serving tests, which check what is queued for an adapter; every other
+        test of a healthy answer runs the real engine worker."""
+        request = await self.next_request()
         n = int(request.sampling_params.get("n", 1))
         for text, token_ids in pieces:
-            outputs = [
-                DeltaOutput(
-                    index=i,
-                    text=text,
-                    token_ids=token_ids,
-                    logprobs=[{"token_id": t, "logprob": -0.5, "top": [[t, -0.5], [t + 1, -1.5]]} for t in token_ids]
-                    if logprobs
-                    else None,
-                )
-                for i in range(n)
-            ]
-            await self.emit(request.request_id, Event.delta(outputs))
-            if delay:
-                await asyncio.sleep(delay)
-        produced = sum(len(ids) for _, ids in pieces) * n
-        usage = Usage(len(request.prompt_token_ids), produced, cached_tokens)
-        finished = Event.finished([FinishedOutput(i, finish_reason) for i in range(n)], usage)
+            await self.emit(
+                request.request_id, Event.delta([DeltaOutput(i, text, token_ids) for i in range(n)])
+            )
+        usage = Usage(len(request.prompt_token_ids), sum(len(ids) for _, ids in pieces) * n)
+        finished = Event.finished([FinishedOutput(i, "stop") for i in range(n)], usage)
         finished.replica = self.replica_id
         await self.emit(request.request_id, finished)
-
-    async def serve_one(self, pieces: list[tuple[str, list[int]]], **kwargs) -> GenerateRequest:
-        request = await self.next_request()
-        await self.reply(request, pieces, **kwargs)
         return request
