@@ -14,7 +14,14 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from engine.serve import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from engine import serve
     from engine.make_model import ARCHS, SIZES
 
     parser = argparse.ArgumentParser(prog="python -m engine")
@@ -26,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     mk.set_defaults(func=_make_model)
+    sv = sub.add_parser(
+        "serve",
+        help="serve one model replica from its Redis request stream",
+        description=serve.__doc__.splitlines()[0],
+    )
+    serve.build_parser(sv)
+    sv.set_defaults(func=_serve)
     return parser
 
 

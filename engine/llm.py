@@ -77,8 +77,17 @@ class LLM:
             self.engine.add_request(request_id, tokens, p)
             ids.append(request_id)
         final: dict[str, RequestOutput] = {}
+        # Step outputs carry only each step's logprobs; the final outputs get the whole list.
+        logprobs: dict[tuple[str, int], list] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                for c in out.outputs:
+                    if c.logprobs_delta is not None:
+                        logprobs.setdefault((out.request_id, c.index), []).extend(c.logprobs_delta)
                 if out.finished:
                     final[out.request_id] = out
+        for request_id, out in final.items():
+            for c in out.outputs:
+                if c.logprobs_delta is not None:
+                    c.logprobs = logprobs.get((request_id, c.index), [])
         return [final[i] for i in ids]

@@ -15,7 +15,10 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_setup import EngineSetup, build_engine_setup
 from engine.errors import EngineError, InvalidRequestError
+from engine.lora.errors import LoRADisabledError
+from engine.lora.manager import LoRAManager
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import LoRARef
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -77,9 +80,12 @@ class LLMEngine:
         self.eos_token_ids = list(setup.model_config.eos_token_ids)
         self.device = setup.device
         self.runner = setup.runner
-        self.scheduler = Scheduler(setup.scheduler_config, config.cache, setup.num_blocks)
-        # Adapter support plugs in here; until then a request naming an adapter is refused.
-        self.lora_manager = None
+        self.lora_manager: LoRAManager | None = None
+        if config.lora is not None:
+            self.lora_manager = LoRAManager(config.lora, self.runner.model, self.model_config)
+            self.runner.lora = self.lora_manager
+        lora_slots = self.lora_manager.slots if self.lora_manager is not None else None
+        self.scheduler = Scheduler(setup.scheduler_config, config.cache, setup.num_blocks, lora_slots)
         self._requests: dict[str, _Request] = {}
         self._completions: dict[int, _Completion] = {}  # seq_id -> completion
         self.num_steps = 0
@@ -105,8 +111,18 @@ class LLMEngine:
         tenant: str = "",
         priority: int = 0,
         cache_salt: str | None = None,
-        lora_id: int = 0,
+        lora: LoRARef | None = None,
     ) -> None:
+        """Queue a request; ``lora`` (name, path, version) names an adapter of ``tenant``, or None
+        for the base model."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        # The scheduler orders by priority and hashes the salt: a wrongly typed field would only
+        # fail at a later step(), and take every request in that step down with it.
+        if not isinstance(tenant, str) or not (cache_salt is None or isinstance(cache_salt, str)):
+            raise InvalidRequestError("tenant and cache_salt must be strings")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
@@ -115,32 +131,33 @@ class LLMEngine:
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if lora_id and self.lora_manager is None:
-            raise InvalidRequestError("LoRA adapters are not enabled on this engine")
+        lora_id = self._lora_id(tenant, lora, sampling_params.n)
         now = time.time()
-        seqs = [
-            Sequence(
-                request_id,
-                prompt,
-                sampling_params,
-                index=i,
-                tenant=tenant,
-                priority=priority,
-                cache_salt=cache_salt,
-                lora_id=lora_id,
-                arrival_time=now,
-            )
-            for i in range(sampling_params.n)
-        ]
         # The first add carries every size check; siblings are identical, so they cannot fail after it.
         added: list[Sequence] = []
         try:
+            seqs = [
+                Sequence(
+                    request_id,
+                    prompt,
+                    sampling_params,
+                    index=i,
+                    tenant=tenant,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    lora_id=lora_id,
+                    arrival_time=now,
+                )
+                for i in range(sampling_params.n)
+            ]
             for seq in seqs:
                 self.scheduler.add(seq)
                 added.append(seq)
         except EngineError:
             for seq in added:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, "abort")
+            if self.lora_manager is not None and lora_id:
+                self.lora_manager.release(lora_id, sampling_params.n)
             raise
         completions = [
             _Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids)) for seq in seqs
@@ -152,6 +169,14 @@ class LLMEngine:
             self._completions[c.seq.seq_id] = c
         self._requests[request_id] = _Request(request_id, completions, len(prompt), now)
         self.num_prompt_tokens += len(prompt)
+
+    def _lora_id(self, tenant: str, lora: LoRARef | None, num_seqs: int) -> int:
+        if lora is None:
+            return 0
+        if self.lora_manager is None:
+            raise LoRADisabledError("LoRA adapters are not enabled on this engine")
+        # Keyed by tenant: one tenant's adapter name never resolves to another tenant's weights.
+        return self.lora_manager.add_adapter((tenant, lora.name, lora.version), lora.path, num_seqs=num_seqs)
 
     def abort_request(self, request_id: str) -> None:
         """Takes effect at the next step(), which frees the blocks and reports the request finished."""
@@ -198,6 +223,8 @@ class LLMEngine:
         c = self._completions.pop(seq.seq_id)
         c.finish_reason, c.stop_reason = reason, stop_reason
         self.runner.free(seq.seq_id)
+        if seq.lora_id and self.lora_manager is not None:
+            self.lora_manager.release(seq.lora_id)
 
     def _fail(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         failed: dict[str, None] = {}
@@ -233,8 +260,8 @@ class LLMEngine:
 
     # -- introspection --------------------------------------------------------------------------
 
-    def get_stats(self) -> dict[str, int | float]:
-        stats = dict(self.scheduler.get_stats())
+    def get_stats(self) -> dict[str, int | float | list[str]]:
+        stats: dict[str, int | float | list[str]] = dict(self.scheduler.get_stats())
         stats.update(
             num_requests=len(self._requests),
             num_steps=self.num_steps,
@@ -242,6 +269,8 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             block_size=self.config.cache.block_size,
         )
+        if self.lora_manager is not None:
+            stats.update(self.lora_manager.get_stats())
         if self.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.device)
         return stats

@@ -66,6 +66,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self._generators: dict[int, torch.Generator | None] = {}
+        # engine.lora.LoRAManager when adapters are served: it maps each step's tokens to slots.
+        self.lora = None
         self.graphs: _DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager and cuda_graph_batch_sizes:
             self.graphs = _DecodeGraphs(self, cuda_graph_batch_sizes)
@@ -126,7 +128,9 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits (num_sampled, vocab_size) in float32 for the rows that sample."""
         md = inputs.metadata
-        if self.graphs is not None and md.is_pure_decode and self.graphs.fits(md.num_seqs):
+        # The graphs were captured without adapters; a step with adapter tokens runs eagerly.
+        lora_active = self.lora is not None and self.lora.active
+        if self.graphs is not None and md.is_pure_decode and self.graphs.fits(md.num_seqs) and not lora_active:
             hidden = self.graphs.replay(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
@@ -143,7 +147,11 @@ class ModelRunner:
     def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if not scheduler_output.scheduled:
             return RunnerOutput({}, {})
-        inputs = self.prepare(scheduler_output.scheduled)
+        scheduled = scheduler_output.scheduled
+        if self.lora is not None:
+            # Reordered so that each adapter's tokens are one contiguous run of the batch.
+            scheduled = self.lora.begin_step(scheduled)
+        inputs = self.prepare(scheduled)
         logits = self.execute(inputs)
         if not inputs.sampled:
             return RunnerOutput({}, {})

@@ -16,6 +16,8 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list[TokenLogprobs] | None = None  # one entry per new token, when logprobs were asked
+    # Every token's logprobs: set only on the offline LLM's final outputs, which keep the whole run.
+    logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import EngineError, RequestTooLargeError
+from engine.lora.slots import LoRASlots
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -127,8 +128,16 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        lora_slots: LoRASlots | None = None,
+    ) -> None:
         self.config = scheduler_config
+        # Device slots for adapters: a step never runs more distinct adapters than there are slots.
+        self.lora_slots = lora_slots
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting = WaitingQueue()
@@ -240,9 +249,15 @@ class Scheduler:
                 i += 1
 
         # Admitting while preempting would only evict what was just admitted on the next step.
+        lora_slots = self.lora_slots
+        loras_in_use = {s.lora_id for s in self.running if s.lora_id} if lora_slots is not None else set()
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None:
+                break
+            # A head whose adapter finds no slot waits for one to drain rather than being
+            # overtaken, so requests of an adapter that is not loaded are never starved.
+            if lora_slots is not None and not lora_slots.can_admit(seq.lora_id, loras_in_use):
                 break
             computed = bm.get_computed_blocks(seq)
             num_hit = len(computed) * self.block_size
@@ -252,6 +267,9 @@ class Scheduler:
                 break
             self.waiting.pop()
             bm.allocate(seq, num_new, computed)
+            if lora_slots is not None and seq.lora_id:
+                lora_slots.acquire(seq.lora_id, loras_in_use)
+                loras_in_use.add(seq.lora_id)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit
             seq.status = SequenceStatus.RUNNING

@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, LoRAConfig, SchedulerConfig
 from engine.worker.settings import WorkerSettings
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -50,6 +50,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cache.add_argument("--no-prefix-caching", action="store_true")
     cache.add_argument("--max-num-seqs", type=int, default=128)
     cache.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve requests that name an adapter")
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory; default 4 x max-loras")
+    lora.add_argument("--max-lora-rank", type=int, default=64)
     redis_opts = parser.add_argument_group("Redis")
     redis_opts.add_argument(
         "--redis-url",
@@ -89,7 +94,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len,
         ),
+        lora=lora_config_from_args(args),
     )
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    max_cpu_loras = args.max_cpu_loras if args.max_cpu_loras is not None else 4 * args.max_loras
+    return LoRAConfig(max_loras=args.max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=args.max_lora_rank)
 
 
 def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -132,9 +145,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    from engine.errors import EngineError
     from engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_config(config)
+    try:
+        engine = LLMEngine.from_config(config)
+    except (EngineError, ConfigError) as exc:  # a bad model directory or setting: say so, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     client = redis.Redis.from_url(args.redis_url, decode_responses=False)
     queue = RequestQueue(
         client,

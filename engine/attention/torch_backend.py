@@ -1,12 +1,24 @@
 """Paged attention in plain torch: the CPU backend and the reference the Triton backend is tested against.
 
-Decode-only steps (every sequence adds one token) gather all contexts into one padded batch and run a
-single scaled_dot_product_attention with a key-padding mask; the grouped query heads of each KV head
-ride along as extra query rows, so GQA costs no K/V repeat. Steps with prefill chunks attend per
-sequence, with a causal mask offset by the part of the context already in the cache.
+The layout work of a step (which rows decode, their padded block lists, the masks) is planned once
+from the metadata and reused by every layer; a layer then only stores its K/V, gathers and attends.
+
+- Decode rows (one new token each: every row of a decode-only step, or the decodes of a mixed one)
+  attend together: their contexts are gathered block by block into one padded batch and a single
+  scaled_dot_product_attention runs with an additive padding mask. The grouped query heads of each
+  KV head ride along as extra query rows, so GQA costs no K/V repeat.
+- A fresh prompt chunk (nothing cached before it) attends causally over its own K/V, which are never
+  read back from the cache.
+- A chunk that follows cached tokens gathers its context and uses a causal mask offset by them.
+
+On CPU the decode gathers land in workspaces kept across steps: a fresh tensor of tens of megabytes
+per layer costs more in page faults than the copy itself.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +34,104 @@ def store_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache[block_table[:num_blocks]]  # (num_blocks, block_size, num_kv_heads, head_dim)
-    return blocks.flatten(0, 1)[:seq_len]  # (seq_len, num_kv_heads, head_dim)
+def _padding_mask(seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """(num_seqs, 1, 1, max_len) additive mask: 0 on each sequence's keys, -inf past its length."""
+    positions = torch.arange(max_len, device=seq_lens.device)
+    past_end = positions[None, :] >= seq_lens.to(torch.long)[:, None]
+    mask = torch.zeros(past_end.shape, dtype=dtype, device=seq_lens.device).masked_fill_(
+        past_end, float("-inf")
+    )
+    return mask[:, None, None, :]
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    rows: torch.Tensor | None  # (num_decodes,) query rows; None when every row of the step decodes
+    blocks: torch.Tensor  # (num_decodes * max_blocks,) int64 block ids, one padded table per row
+    max_len: int  # longest context among the decodes
+    mask: torch.Tensor  # (num_decodes, 1, 1, max_len)
+
+
+@dataclass(slots=True)
+class _ChunkPlan:
+    start: int  # query rows [start, end)
+    end: int
+    seq_len: int
+    blocks: torch.Tensor | None  # int64 block ids of the context; None for a fresh prompt chunk
+    mask: torch.Tensor | None  # (q_len, seq_len) additive causal mask offset by the cached tokens
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    decode: _DecodePlan | None
+    chunks: list[_ChunkPlan] = field(default_factory=list)
+
+
+def _plan_decode(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    max_blocks = -(-max_len // block_size)
+    blocks = block_tables[:, :max_blocks].to(torch.long).reshape(-1)
+    return blocks, _padding_mask(seq_lens, max_len, dtype)
+
+
+def plan_step(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+    """Everything about a step's layout that does not depend on the layer.
+
+    Uses only device tensors and host ints for a decode-only step, so it can be captured in a CUDA
+    graph; mixed steps read the host copies of the lengths.
+    """
+    if metadata.is_pure_decode:
+        blocks, mask = _plan_decode(
+            metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, block_size, dtype
+        )
+        return _StepPlan(_DecodePlan(None, blocks, metadata.max_seq_len, mask))
+    device = metadata.block_tables.device
+    decode_rows: list[int] = []
+    decode_seqs: list[int] = []
+    chunks: list[_ChunkPlan] = []
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
+        end = start + q_len
+        if q_len == 1:
+            decode_rows.append(start)
+            decode_seqs.append(i)
+        elif q_len == seq_len:
+            chunks.append(_ChunkPlan(start, end, seq_len, None, None))
+        elif q_len > 1:
+            blocks = metadata.block_tables[i, : -(-seq_len // block_size)].to(torch.long)
+            # Query j sits at absolute position seq_len - q_len + j and sees keys up to there.
+            rows = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+            future = torch.arange(seq_len, device=device)[None, :] > rows  # (q_len, seq_len)
+            mask = torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
+            chunks.append(_ChunkPlan(start, end, seq_len, blocks, mask))
+        start = end
+    decode = None
+    if decode_rows:
+        seqs = torch.tensor(decode_seqs, dtype=torch.long, device=device)
+        max_len = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
+        blocks, mask = _plan_decode(
+            metadata.block_tables.index_select(0, seqs),
+            metadata.seq_lens.index_select(0, seqs),
+            max_len,
+            block_size,
+            dtype,
+        )
+        decode = _DecodePlan(
+            torch.tensor(decode_rows, dtype=torch.long, device=device), blocks, max_len, mask
+        )
+    return _StepPlan(decode, chunks)
 
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def __init__(self) -> None:
+        # The plan of the step in progress, keyed by its metadata object: every layer of a forward
+        # receives the same one. Kept only on CPU, since a CUDA graph must rebuild it on replay.
+        self._plan_metadata: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+        self._workspaces: dict[str, torch.Tensor] = {}
 
     def forward(
         self,
@@ -43,52 +144,76 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        if metadata.is_pure_decode:
-            return self._decode(q, k_cache, v_cache, metadata, scale)
-        return self._varlen(q, k, v, k_cache, v_cache, metadata, scale)
+        plan = self._step_plan(metadata, k_cache.shape[1], q.dtype, q.device)
+        if plan.decode is not None and plan.decode.rows is None:
+            return self._decode(q, k_cache, v_cache, plan.decode, scale)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            out.index_copy_(
+                0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, plan.decode, scale)
+            )
+        for chunk in plan.chunks:
+            out[chunk.start : chunk.end] = self._chunk(q, k, v, k_cache, v_cache, chunk, scale)
+        return out
 
-    def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _step_plan(
+        self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> _StepPlan:
+        if device.type != "cpu":
+            return plan_step(metadata, block_size, dtype)
+        if self._plan_metadata is not metadata or self._plan is None:
+            self._plan = plan_step(metadata, block_size, dtype)
+            self._plan_metadata = metadata
+        return self._plan
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
+        """cache[blocks], on CPU into a workspace reused by every layer and step."""
+        if cache.device.type != "cpu":
+            return cache.index_select(0, blocks)
+        shape = (blocks.numel(), *cache.shape[1:])
+        numel = math.prod(shape)
+        buf = self._workspaces.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
+            # Headroom, so that contexts growing a block at a time do not reallocate every step.
+            buf = torch.empty(numel + numel // 4, dtype=cache.dtype)
+            self._workspaces[name] = buf
+        out = buf[:numel].view(shape)
+        torch.index_select(cache, 0, blocks, out=out)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, plan: _DecodePlan, scale: float) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        block_size = k_cache.shape[1]
-        max_len = metadata.max_seq_len
-        max_blocks = -(-max_len // block_size)
-        tables = metadata.block_tables[:, :max_blocks].long()
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        padded = plan.blocks.numel() // num_seqs * block_size
         # (num_seqs, max_len, num_kv_heads, head_dim) -> (num_seqs, num_kv_heads, max_len, head_dim)
-        keys = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        values = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        queries = q.view(num_seqs, num_kv_heads, group, head_dim)
-        lens = metadata.seq_lens.to(device=q.device, dtype=torch.long)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # (num_seqs, max_len)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+        keys = self._gather(k_cache, plan.blocks, "k").view(num_seqs, padded, num_kv_heads, head_dim)
+        values = self._gather(v_cache, plan.blocks, "v").view(num_seqs, padded, num_kv_heads, head_dim)
+        keys = keys[:, : plan.max_len].transpose(1, 2)
+        values = values[:, : plan.max_len].transpose(1, 2)
+        queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask, scale=scale)
         return out.reshape(num_seqs, num_heads, head_dim)
 
-    def _varlen(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
-        start = 0
-        for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
-            end = start + q_len
-            if q_len == seq_len:
-                # Nothing cached before this chunk: its own K/V are the whole context.
-                keys, values = k[start:end], v[start:end]
-            else:
-                keys = _gather_context(k_cache, metadata.block_tables[i], seq_len)
-                values = _gather_context(v_cache, metadata.block_tables[i], seq_len)
-            queries = q[start:end].transpose(0, 1)  # (num_heads, q_len, head_dim)
-            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (num_kv_heads, seq_len, head_dim)
-            if group > 1:
-                keys = keys.repeat_interleave(group, dim=0)
-                values = values.repeat_interleave(group, dim=0)
-            if q_len == seq_len:
-                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
-            else:
-                # Query j sits at absolute position seq_len - q_len + j and sees keys up to there.
-                past = seq_len - q_len
-                rows = torch.arange(q_len, device=q.device)[:, None] + past
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # (q_len, seq_len)
-                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-            out[start:end] = o.transpose(0, 1)
-            start = end
-        return out
+    def _chunk(self, q, k, v, k_cache, v_cache, chunk: _ChunkPlan, scale: float) -> torch.Tensor:
+        q_len = chunk.end - chunk.start
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        # (q_len, num_heads, head_dim) -> (num_kv_heads, group, q_len, head_dim). Keys and values
+        # are expanded (stride 0) over the group instead of repeated; 4-D inputs take torch's
+        # flash kernel on CPU, where 3-D ones fall back to the unfused math path.
+        queries = q[chunk.start : chunk.end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        if chunk.blocks is None:
+            keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+        else:
+            keys = k_cache.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.seq_len]
+            values = v_cache.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.seq_len]
+        shape = (num_kv_heads, group, keys.shape[0], head_dim)
+        keys = keys.transpose(0, 1)[:, None].expand(shape)
+        values = values.transpose(0, 1)[:, None].expand(shape)
+        if chunk.mask is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, scale=scale)
+        return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)

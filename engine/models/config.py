@@ -72,26 +72,65 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+# Keys each scaled rope type reads; a checkpoint without them is refused here rather than failing
+# half-way through building the model.
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # transformers >= 5 writes rope_parameters (theta inside); older checkpoints (every Llama 3.1 on
     # the hub) write rope_theta beside rope_scaling.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"rope_parameters / rope_scaling must be an object, got {params!r}")
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (supported: {_SUPPORTED_ROPE_TYPES})")
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported (supported: {_SUPPORTED_ROPE_TYPES})"
+        )
     if rope_type == "default":
         return theta, None
-    return theta, {**params, "rope_type": rope_type}
+    missing = [k for k in _ROPE_KEYS[rope_type] if k not in params]
+    if missing:
+        raise ModelLoadError(
+            f"rope type {rope_type!r} needs {', '.join(missing)} in rope_parameters / rope_scaling"
+        )
+    scaling = {**params, "rope_type": rope_type}
+    for k in _ROPE_KEYS[rope_type]:
+        value = float(scaling[k])
+        if not value > 0:
+            raise ModelLoadError(f"rope parameter {k} must be positive, got {scaling[k]!r}")
+    if rope_type == "llama3" and not float(scaling["high_freq_factor"]) > float(scaling["low_freq_factor"]):
+        raise ModelLoadError("rope parameter high_freq_factor must be greater than low_freq_factor")
+    return theta, scaling
+
+
+def _positive(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    # null counts as absent: exporters write "head_dim": null for the derived value.
+    value = raw.get(key)
+    if value is None:
+        value = default
+    if value is None:
+        raise KeyError(key)
+    if isinstance(value, bool) or int(value) != value or int(value) < 1:
+        raise ModelLoadError(f"config field {key} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse and check config.json (+ generation_config.json); raises ModelLoadError / UnsupportedModelError."""
     root = Path(model_dir)
     if not root.is_dir():
-        raise ModelLoadError(f"model directory {str(root)!r} does not exist")
+        fault = "is not a directory" if root.exists() else "does not exist"
+        raise ModelLoadError(f"model directory {str(root)!r} {fault}")
     raw = _read_json(root / "config.json")
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelLoadError(f"{root}/config.json: architectures must be a list of names, got {archs!r}")
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
@@ -101,24 +140,24 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{root}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        hidden, heads = _positive(raw, "hidden_size"), _positive(raw, "num_attention_heads")
         theta, scaling = _rope(raw)
         window = raw.get("sliding_window")
         if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
             window = None
         cfg = ModelConfig(
             architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=_positive(raw, "vocab_size"),
             hidden_size=hidden,
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=_positive(raw, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            intermediate_size=int(raw["intermediate_size"]),
+            num_kv_heads=_positive(raw, "num_key_value_heads", heads),
+            head_dim=_positive(raw, "head_dim", hidden // heads),
+            intermediate_size=_positive(raw, "intermediate_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_positive(raw, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
@@ -126,14 +165,23 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_list(raw.get("eos_token_id")),
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, ModelLoadError):
-            raise
+    except ModelLoadError as exc:  # raised by the field checks, which do not know the path
+        raise type(exc)(f"{root}/config.json: {exc}") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ModelLoadError(f"{root}/config.json: missing or invalid field ({exc!r})") from exc
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelLoadError(f"{root}: num_attention_heads must be a multiple of num_key_value_heads")
     if raw.get("mlp_bias"):
         raise UnsupportedModelError(f"{root}: mlp_bias is not supported")
+    if raw.get("quantization_config"):
+        method = (
+            raw["quantization_config"].get("quant_method")
+            if isinstance(raw["quantization_config"], dict)
+            else None
+        )
+        raise UnsupportedModelError(
+            f"{root}: quantized checkpoints ({method or 'unknown method'}) are not supported"
+        )
     gen_path = root / "generation_config.json"
     if gen_path.exists():
         gen = _read_json(gen_path)

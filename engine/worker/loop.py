@@ -8,12 +8,15 @@ twice is that a reclaimed request which had already streamed is failed, never ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import threading
 import time
 from typing import Any
 
 from engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
+from engine.lora.errors import LoRADisabledError, LoRALoadError
 from engine.protocol import Event, GenerateRequest, ProtocolError, ReplicaStats, Usage
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.worker.outputs import HeldRequest, events_for_output
@@ -24,6 +27,8 @@ logger = logging.getLogger("engine.worker")
 
 EXIT_OK = 0
 EXIT_ENGINE_FAILED = 1
+# A loop that has not come round for this long is wedged: its heartbeat thread stops beating.
+STALL_LIMIT_S = 120.0
 
 
 class EngineWorker:
@@ -39,6 +44,9 @@ class EngineWorker:
         self._stopping = False
         self._force_stop = False
         self._started_at = time.time()
+        self._last_stats: ReplicaStats | None = None
+        self._last_beat = 0.0  # monotonic
+        self._progress_at = time.monotonic()
 
     # --- control --------------------------------------------------------------------------------
 
@@ -59,12 +67,16 @@ class EngineWorker:
             self._take(message_id, fields, reclaimed=True, deliveries=deliveries)
         self._flush()
         self._heartbeat()
+        beats_stop = threading.Event()
+        beats = threading.Thread(target=self._beat_between_steps, args=(beats_stop,), name="heartbeat", daemon=True)
+        beats.start()
         now = time.monotonic()
         next_touch = now + self.settings.touch_interval_s
         next_reclaim = now
         next_heartbeat = now + self.settings.heartbeat_interval_s
         try:
             while True:
+                self._progress_at = time.monotonic()
                 if self._force_stop:
                     self._fail_all("engine_shutdown", "the engine replica was stopped")
                     return EXIT_OK
@@ -100,6 +112,8 @@ class EngineWorker:
                     self._heartbeat()
                     next_heartbeat = now + self.settings.heartbeat_interval_s
         finally:
+            beats_stop.set()
+            beats.join()
             self._flush()
             self._shutdown_redis()
 
@@ -176,8 +190,6 @@ class EngineWorker:
 
     def _add_to_engine(self, request: GenerateRequest) -> Event | None:
         """Adds the request to the engine; an error event when the engine refuses it."""
-        if request.lora is not None:
-            return Event.error("this engine replica does not serve LoRA adapters", "lora_unavailable")
         try:
             params = SamplingParams.from_dict(request.sampling_params)
             self.engine.add_request(
@@ -187,7 +199,12 @@ class EngineWorker:
                 tenant=request.tenant,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                lora=request.lora,  # the engine keys it by (tenant, name, version)
             )
+        except LoRADisabledError:
+            return Event.error("this engine replica does not serve LoRA adapters", "lora_unavailable")
+        except LoRALoadError as exc:
+            return Event.error(str(exc), "lora_load_failed")
         except RequestTooLargeError as exc:
             return Event.error(str(exc), "request_too_large")
         except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as exc:
@@ -281,7 +298,24 @@ class EngineWorker:
         )
 
     def _heartbeat(self) -> None:
-        self.queue.heartbeat(self.stats())
+        stats = self.stats()
+        self.queue.heartbeat(stats)
+        self._last_stats, self._last_beat = stats, time.monotonic()
+
+    def _beat_between_steps(self, stop: threading.Event) -> None:
+        """Keeps the heartbeat fresh while one step outlasts its TTL (a big prefill on a busy CPU
+        takes seconds), re-publishing the loop's latest stats, so such a replica is not taken for
+        dead. A loop stalled past STALL_LIMIT_S gets no beats and expires as a dead one would."""
+        interval = self.settings.heartbeat_interval_s
+        while not stop.wait(interval):
+            now = time.monotonic()
+            stats = self._last_stats
+            if stats is None or now - self._last_beat < interval or now - self._progress_at > STALL_LIMIT_S:
+                continue
+            try:
+                self.queue.heartbeat(dataclasses.replace(stats, heartbeat_at=time.time()))
+            except Exception:  # Redis unreachable: the loop's own calls report it
+                logger.warning("heartbeat failed", exc_info=True)
 
     def _shutdown_redis(self) -> None:
         try:

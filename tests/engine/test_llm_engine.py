@@ -10,6 +10,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.errors import InvalidRequestError, RequestTooLargeError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.protocol import LoRARef
 from engine.sampling_params import SamplingParams
 
 PROMPT = [0, 300, 301, 302, 303, 304, 305, 306, 307]
@@ -86,7 +87,7 @@ def test_duplicate_request_ids_and_unknown_adapters_are_refused(engine: LLMEngin
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("dup", PROMPT, SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="LoRA"):
-        engine.add_request("lora", PROMPT, SamplingParams(max_tokens=2), lora_id=3)
+        engine.add_request("lora", PROMPT, SamplingParams(max_tokens=2), lora=LoRARef("sql", "/nowhere", "1"))
     _drain(engine)
 
 
@@ -135,3 +136,24 @@ def test_llm_chat_applies_the_template_once(tiny_llama_dir: Path) -> None:
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
     expected = llm.tokenizer.encode(text, add_special_tokens=False)
     assert out.num_prompt_tokens == len(expected) and expected.count(0) == 1  # a single <|begin_of_text|>
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"priority": "high"}, "priority must be an integer"),
+        ({"priority": True}, "priority must be an integer"),
+        ({"tenant": 5}, "tenant and cache_salt must be strings"),
+        ({"cache_salt": 7}, "tenant and cache_salt must be strings"),
+    ],
+)
+def test_wrongly_typed_request_fields_are_refused_before_they_can_break_a_step(
+    engine: LLMEngine, fields: dict, message: str
+) -> None:
+    engine.add_request("fine", PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("typed", PROMPT, SamplingParams(max_tokens=2), **fields)
+    with pytest.raises(InvalidRequestError, match="request_id must be a non-empty string"):
+        engine.add_request("", PROMPT, SamplingParams(max_tokens=2))
+    finished = [o for o in _drain(engine) if o.finished]
+    assert [o.request_id for o in finished] == ["fine"] and finished[0].outputs[0].finish_reason == "length"

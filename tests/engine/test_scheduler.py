@@ -486,3 +486,39 @@ def test_random_workloads_never_leak_or_overrun_and_always_run_to_completion(sch
     event(f"prefix hit: {sched.block_manager.prefix_cache_stats()['hits'] > 0}")
     event(f"aborted: {any(s.status is SequenceStatus.FINISHED_ABORTED for s in h.seqs)}")
     event(f"parallel sampling: {any(s.index > 0 for s in h.seqs)}")
+
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    num_blocks=st.integers(6, 7),
+    budget=st.integers(4, 8),
+    tails=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=3), min_size=4, max_size=4),
+    salt=st.sampled_from([None, "A"]),
+    ns=st.lists(st.integers(1, 2), min_size=4, max_size=4),
+    abort_at=st.integers(2, 8),
+    victim=st.integers(0, 3),
+    tokens=st.lists(st.integers(0, 2), min_size=1, max_size=4),
+)
+def test_preemption_prefix_hits_and_an_abort_in_one_run_keep_every_block_and_kv_correct(
+    num_blocks, budget, tails, salt, ns, abort_at, victim, tokens
+):
+    # Four requests share a two-block prefix and each grows to 24 tokens (six blocks), so the pool
+    # cannot hold them: preemption, cache hits (on the shared prefix, and on a preempted sequence's
+    # own blocks) and the abort of a live request happen in every example.
+    sched = make_scheduler(num_blocks, budget=budget, max_num_seqs=4, max_model_len=24)
+    h = Harness(sched)
+    for i, tail in enumerate(tails):
+        h.add([1, 2, 1, 2, 1, 2, 1, 2] + tail, 16, ns[i], tenant=f"t{i % 2}", cache_salt=salt)
+    for step in range(400):
+        if step == abort_at:
+            sched.abort(h.request_ids[victim])
+        if not sched.has_unfinished():
+            break
+        h.step(tokens)
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == num_blocks
+    assert all(block.ref_count == 0 for block in sched.block_manager.blocks)
+    assert sched.num_preemptions > 0
+    assert sched.block_manager.prefix_cache_stats()["hits"] > 0
+    assert any(s.status is SequenceStatus.FINISHED_ABORTED for s in h.seqs)

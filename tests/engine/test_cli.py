@@ -1,0 +1,79 @@
+"""`python -m engine ...`: the command line an operator (or run_engine) starts the engine with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "engine", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_serve_help_lists_the_serve_options():
+    result = engine_cli("serve", "--help")
+
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: python -m engine serve ")
+    for option in ("--model-dir", "--served-name", "--redis-url", "--max-num-seqs", "--kv-cache-memory"):
+        assert option in result.stdout
+
+
+def test_top_level_help_lists_both_subcommands():
+    result = engine_cli("--help")
+
+    assert result.returncode == 0
+    assert "make-model" in result.stdout
+    assert "serve" in result.stdout
+
+
+def test_serve_without_a_model_dir_is_a_usage_error():
+    result = engine_cli("serve", "--served-name", "m", "--redis-url", "redis://127.0.0.1:6379/0")
+
+    assert result.returncode == 2
+    assert "the following arguments are required: --model-dir" in result.stderr
+
+
+def test_serve_with_a_missing_model_dir_exits_with_a_clear_message(tmp_path):
+    missing = tmp_path / "nope"
+
+    result = engine_cli(
+        "serve", "--model-dir", str(missing), "--served-name", "m", "--redis-url", "redis://127.0.0.1:1/0"
+    )
+
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: model directory {str(missing)!r} does not exist"
+
+
+def test_serve_with_a_directory_that_is_not_a_model_exits_with_a_clear_message(tmp_path):
+    result = engine_cli(
+        "serve", "--model-dir", str(tmp_path), "--served-name", "m", "--redis-url", "redis://127.0.0.1:1/0"
+    )
+
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {tmp_path}: missing config.json"
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_with_an_unsupported_architecture_names_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+
+    result = engine_cli(
+        "serve", "--model-dir", str(tmp_path), "--served-name", "m", "--redis-url", "redis://127.0.0.1:1/0"
+    )
+
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {tmp_path}: architecture ['GPT2LMHeadModel'] is not supported")
