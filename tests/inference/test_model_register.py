@@ -196,3 +196,16 @@ def test_an_invalid_served_name_is_refused(tmp_path):
         register("--name", "bad name", "--path", str(path))
 
     assert not ModelDeployment.objects.exists()
+
+
+def test_engines_serve_adapters_unless_the_deployment_turns_them_off(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    register("--name", "demo", "--path", str(path), "--engine-setting", "max_loras=2")
+    out = io.StringIO()
+    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
+    assert " --enable-lora --max-loras=2" in out.getvalue()
+
+    register("--name", "demo", "--path", str(path), "--engine-setting", "enable_lora=false")
+    out = io.StringIO()
+    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
+    assert "--enable-lora" not in out.getvalue()

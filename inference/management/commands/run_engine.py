@@ -29,9 +29,18 @@ ENGINE_SETTING_FLAGS = {
     "max_held": "--max-held",
     "claim_timeout_ms": "--claim-timeout-ms",
     "heartbeat_interval": "--heartbeat-interval",
+    "max_loras": "--max-loras",
+    "max_cpu_loras": "--max-cpu-loras",
+    "max_lora_rank": "--max-lora-rank",
 }
 # Boolean settings: the flag is passed when the value is true.
-ENGINE_SETTING_SWITCHES = {"enforce_eager": "--enforce-eager", "no_prefix_caching": "--no-prefix-caching"}
+ENGINE_SETTING_SWITCHES = {
+    "enforce_eager": "--enforce-eager",
+    "no_prefix_caching": "--no-prefix-caching",
+    "enable_lora": "--enable-lora",
+}
+# Switches that are on unless a deployment turns them off: tenants' adapters are served by default.
+ENGINE_SETTING_DEFAULTS = {"enable_lora": True}
 
 
 def serve_argv(
@@ -68,7 +77,7 @@ def serve_argv(
     if "heartbeat_interval" not in engine_settings:
         # Several beats per TTL, so one late beat does not make the replica look dead.
         argv.append(f"--heartbeat-interval={min(1.0, heartbeat_ttl / 3)}")
-    for key, value in engine_settings.items():
+    for key, value in {**ENGINE_SETTING_DEFAULTS, **engine_settings}.items():
         if key in ENGINE_SETTING_SWITCHES:
             if value:
                 argv.append(ENGINE_SETTING_SWITCHES[key])
