@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 from django.conf import settings
@@ -41,6 +42,12 @@ class EngineGateway:
         """
         streams = {output_stream(self.prefix, rid): last for rid, last in positions.items()}
         reply = await get_async_redis().xread(streams, count=count, block=block_ms)
+        # redis-py's asyncio client sometimes swallows a cancellation that lands inside a blocking
+        # read, which then returns as if nothing happened: the stream of a client that went away
+        # would run to its end, unaborted. A swallowed cancel leaves the task's count raised.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError()
         events: list[tuple[str, Event]] = []
         start = len(self.prefix) + len("out:")
         for stream, entries in reply or []:

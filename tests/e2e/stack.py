@@ -1,0 +1,208 @@
+"""A real serving stack for end-to-end tests: daphne serving config.asgi and engine replicas
+(`manage.py run_engine`, which becomes `python -m engine.serve`), all on pytest-django's test
+database and this run's Redis prefix, driven through the official clients.
+
+Every process writes its output to a log file; `log_tails()` is what a failing test shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from engine.protocol import CONSUMER_GROUP, ReplicaStats, replica_stats_key, requests_stream
+from tenants.redis_client import get_redis
+from tests.e2e.browser import ROOT, free_port, server_env, wait_for_http
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class ServingStack:
+    base_url: str
+    model: str
+    web: Process
+    replicas: dict[str, Process] = field(default_factory=dict)
+
+    @property
+    def api_base(self) -> str:
+        return self.base_url + "/v1"
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://", 1) + "/ws/v1/chat"
+
+    def client(self, api_key: str, *, timeout: float = 60.0):
+        """The official OpenAI client, without retries (a retried 429 or 5xx would hide what is tested)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.api_base, api_key=api_key, max_retries=0, timeout=timeout)
+
+    # --- what the engines report ----------------------------------------------------------------
+
+    def replica_stats(self) -> dict[str, ReplicaStats]:
+        """The last heartbeat of each replica of the model that still has one (read from Redis)."""
+        redis = get_redis()
+        stats = {}
+        for replica_id in self.replicas:
+            raw = redis.get(replica_stats_key(settings.REDIS_PREFIX, self.model, replica_id))
+            if raw is not None:
+                stats[replica_id] = ReplicaStats.decode(raw)
+        return stats
+
+    def ready(self) -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(self.base_url + "/ready", timeout=5) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def holders(self) -> list[str]:
+        """The replica holding each request of the model's stream that is taken and not yet acked."""
+        rows = get_redis().xpending_range(
+            requests_stream(settings.REDIS_PREFIX, self.model), CONSUMER_GROUP, "-", "+", 100
+        )
+        return [
+            row["consumer"].decode() if isinstance(row["consumer"], bytes) else row["consumer"]
+            for row in rows
+        ]
+
+    # --- controlling processes ------------------------------------------------------------------
+
+    def kill(self, replica_id: str) -> None:
+        process = self.replicas[replica_id].popen
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+
+    @contextlib.contextmanager
+    def paused(self, replica_id: str, *, settle_s: float = 0.5) -> Iterator[None]:
+        """Stop a replica (SIGSTOP) so that the others take every new request, then resume it.
+
+        The pause waits out the replica's blocking stream read first: Redis would otherwise hand
+        a new request to the frozen process's pending read.
+        """
+        process = self.replicas[replica_id].popen
+        process.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(settle_s)
+            yield
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+
+    def wait_until(
+        self, predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1
+    ) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(interval)
+
+    def log_tails(self, lines: int = 40) -> str:
+        parts = []
+        for process in [self.web, *self.replicas.values()]:
+            status = process.popen.poll()
+            state = "running" if status is None else f"exited {status}"
+            parts.append(f"--- {process.name} ({state}) {process.log_path} ---\n{process.tail(lines)}")
+        return "\n".join(parts)
+
+    def stop(self, *, grace_s: float = 5.0) -> None:
+        """SIGTERM to every process at once (engines drain, daphne closes), SIGKILL to stragglers."""
+        processes = [p.popen for p in [self.web, *self.replicas.values()] if p.popen.poll() is None]
+        for popen in processes:
+            with contextlib.suppress(ProcessLookupError):
+                popen.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
+                popen.terminate()
+        deadline = time.monotonic() + grace_s
+        for popen in processes:
+            try:
+                popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait(timeout=30)
+
+
+def _spawn(name: str, argv: list[str], log_path: Path, **env: str) -> Process:
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        popen = subprocess.Popen(argv, cwd=ROOT, env=server_env(**env), stdout=log, stderr=subprocess.STDOUT)
+    return Process(name=name, popen=popen, log_path=log_path)
+
+
+@contextlib.contextmanager
+def serving_stack(
+    *, model: str, replica_ids: list[str], log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[ServingStack]:
+    """Start the engine replicas of `model` (a ModelDeployment row committed beforehand) and daphne,
+    and yield once /ready shows every replica's heartbeat. Everything is killed on the way out."""
+    env = dict(env or {})
+    port = free_port()
+    replicas = {
+        replica_id: _spawn(
+            f"engine {replica_id}",
+            [sys.executable, "manage.py", "run_engine", "--model", model, "--replica-id", replica_id],
+            log_dir / f"engine-{replica_id}.log",
+            # The machine's few cores are shared by every process here: one thread per engine keeps
+            # them from oversubscribing.
+            OMP_NUM_THREADS="1",
+            **env,
+        )
+        for replica_id in replica_ids
+    }
+    web = _spawn(
+        "daphne",
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+        log_dir / "daphne.log",
+        **env,
+    )
+    stack = ServingStack(base_url=f"http://127.0.0.1:{port}", model=model, web=web, replicas=replicas)
+    try:
+        try:
+            wait_for_http(stack.base_url + "/health", timeout=STARTUP_TIMEOUT_S, process=web.popen)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+
+            def all_replicas_ready() -> bool:
+                for process in replicas.values():
+                    if process.popen.poll() is not None:
+                        raise RuntimeError(f"{process.name} exited with {process.popen.returncode}")
+                status, body = stack.ready()
+                live = {r["replica_id"] for r in body.get("models", {}).get(model, {}).get("replicas", [])}
+                return status == 200 and live == set(replica_ids)
+
+            stack.wait_until(
+                all_replicas_ready, timeout=deadline - time.monotonic(), what=f"{model} ready", interval=0.25
+            )
+        except Exception as exc:
+            raise RuntimeError(f"the serving stack did not start: {exc}\n{stack.log_tails()}") from exc
+        yield stack
+    finally:
+        stack.stop()
