@@ -233,7 +233,12 @@ class EngineWorker:
             held = self._held.get(output.request_id)
             if held is None:
                 continue  # aborted or lost this step; its end was already written or is not ours
+            first = not held.has_streamed
             events = events_for_output(held, output)
+            if first and events and events[0].type == "delta":
+                # The reader learns which replica holds its request from the first delta, so it
+                # can fail fast when that replica's heartbeat stops (not on every token: bytes).
+                events[0].replica = self.settings.replica_id
             self._events.extend((held.request_id, e) for e in events)
             if events and events[-1].type in ("finished", "error"):
                 del self._held[held.request_id]

@@ -601,3 +601,14 @@ def test_a_replica_that_lost_a_request_to_a_reclaim_stops_answering_it(client, i
     assert not ended(events_of(client, prefix, "taken-away"))
     assert client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)[0]["consumer"] == b"thief"
     wait_for(lambda: engine.get_stats()["num_free_blocks"] == NUM_BLOCKS, 5, "the dropped request's blocks")
+
+
+def test_the_first_delta_names_the_replica_holding_the_request(client, inproc, fresh_engine):
+    prefix = inproc.prefix
+    inproc.in_thread(inproc(fresh_engine(), replica_id="holder"))
+    submit(client, prefix, "tagged", max_tokens=6, ignore_eos=True)
+    wait_events(client, prefix, "tagged", until=ended)
+
+    deltas = [e for e in events_of(client, prefix, "tagged") if e.type == "delta"]
+    assert deltas[0].replica == "holder"
+    assert all(e.replica is None for e in deltas[1:])
