@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from django.conf import settings
@@ -26,6 +27,11 @@ from tests.inference.peft_adapters import (  # noqa: F401 - fixtures of the adap
     media_root,
     world_in_transaction,
 )
+
+if TYPE_CHECKING:  # torch loads with the engine: only the tests that run one import it
+    from engine.config import LoRAConfig
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import CompletionOutput, RequestOutput
 
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
@@ -49,11 +55,6 @@ class ServingWorld:
     raw_key_a: str
     raw_key_b: str
     faults: ProtocolFaultInjector
-
-    @property
-    def engine(self) -> ProtocolFaultInjector:
-        """The adapter-serving tests' name for the fault injector."""
-        return self.faults
 
     def headers(self, raw_key: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {raw_key or self.raw_key_a}"}
@@ -84,27 +85,40 @@ def world(transactional_db, served_model_dir) -> ServingWorld:
     return make_world(model_dir=served_model_dir)
 
 
-@contextmanager
-def running_engine_worker(world: ServingWorld) -> Iterator[object]:
-    """One real engine replica of the world's model (the tiny model's LLMEngine and the Redis loop,
-    in a thread of this process), live once this yields."""
-    import redis
-
+def tiny_engine(
+    model_dir: str, *, lora: LoRAConfig | None = None, enable_prefix_caching: bool = True
+) -> LLMEngine:
+    """An LLMEngine of the tiny model with the sizes every serving test assumes; `lora` is an
+    engine LoRAConfig, or None for a replica without adapters."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
 
-    engine = LLMEngine.from_config(
+    return LLMEngine.from_config(
         EngineConfig(
-            model=world.deployment.model_path,
+            model=model_dir,
             device="cpu",
             dtype="float32",
-            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+            cache=CacheConfig(
+                block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, enable_prefix_caching=enable_prefix_caching
+            ),
             scheduler=SchedulerConfig(
                 max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=8
             ),
+            lora=lora,
         )
     )
+
+
+@contextmanager
+def running_engine_worker(world: ServingWorld, *, lora: LoRAConfig | None = None) -> Iterator[object]:
+    """One real engine replica of the world's model (the tiny model's LLMEngine and the Redis loop,
+    in a thread of this process), live once this yields. `lora` (an engine LoRAConfig) makes it a
+    replica that serves adapters."""
+    import redis
+
+    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
+
+    engine = tiny_engine(world.deployment.model_path, lora=lora)
     client = redis.Redis.from_url(settings.REDIS_URL)
     ws = WorkerSettings(
         model=world.model, prefix=settings.REDIS_PREFIX, heartbeat_interval_s=0.2, idle_block_ms=20
@@ -140,6 +154,17 @@ def engine_worker(world) -> Iterator[object]:
         yield worker
 
 
+@pytest.fixture
+def lora_engine_worker(world) -> Iterator[object]:
+    """A replica started with LoRA enabled, as `--enable-lora` does."""
+    from engine.config import LoRAConfig
+
+    with running_engine_worker(
+        world, lora=LoRAConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=16)
+    ) as worker:
+        yield worker
+
+
 @pytest.fixture(scope="session")
 def reference_llm(served_model_dir):
     """The same model run by the engine offline, without the web tier or Redis: what a served
@@ -165,6 +190,31 @@ def offline_outputs(reference_llm, request: GenerateRequest) -> list:
     [output] = reference_llm.generate(
         [request.prompt_token_ids], SamplingParams.from_dict(request.sampling_params)
     )
+    return sorted(output.outputs, key=lambda o: o.index)
+
+
+def offline_adapter_outputs(model_dir: str, request: GenerateRequest) -> list[CompletionOutput]:
+    """The completions of a queued adapter request, run offline by a fresh LoRA engine (fresh, so
+    no adapter of an earlier test is cached under the same tenant, name and version)."""
+    from engine.config import LoRAConfig
+    from engine.sampling_params import SamplingParams
+
+    engine = tiny_engine(
+        model_dir,
+        lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=16),
+        enable_prefix_caching=False,
+    )
+    engine.add_request(
+        "offline",
+        request.prompt_token_ids,
+        SamplingParams.from_dict(request.sampling_params),
+        tenant=request.tenant,
+        lora=request.lora,
+    )
+    final: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        final += [out for out in engine.step() if out.finished]
+    [output] = final
     return sorted(output.outputs, key=lambda o: o.index)
 
 

@@ -12,12 +12,9 @@ import time
 from django.conf import settings
 
 from engine.protocol import (
-    DeltaOutput,
     Event,
-    FinishedOutput,
     GenerateRequest,
     ReplicaStats,
-    Usage,
     cancel_request_id,
     cancel_stream,
     output_stream,
@@ -83,20 +80,3 @@ class ProtocolFaultInjector:
     async def emit_raw(self, request_id: str, fields: dict[str, str]) -> None:
         """Write an entry that is not a valid event (a replica of another protocol version, a bug)."""
         await get_async_redis().xadd(output_stream(self.prefix, request_id), fields)
-
-    async def serve_one(self, pieces: list[tuple[str, list[int]]]) -> GenerateRequest:
-        """Answer the next request with `pieces` (text, token ids) per index, as a replica would.
-
-        Only for the adapter-serving tests, which check what is queued for an adapter; every other
-        test of a healthy answer runs the real engine worker."""
-        request = await self.next_request()
-        n = int(request.sampling_params.get("n", 1))
-        for text, token_ids in pieces:
-            await self.emit(
-                request.request_id, Event.delta([DeltaOutput(i, text, token_ids) for i in range(n)])
-            )
-        usage = Usage(len(request.prompt_token_ids), sum(len(ids) for _, ids in pieces) * n)
-        finished = Event.finished([FinishedOutput(i, "stop") for i in range(n)], usage)
-        finished.replica = self.replica_id
-        await self.emit(request.request_id, finished)
-        return request

@@ -25,6 +25,8 @@ def make_peft_adapter(
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base_dir)
+    # Random (seeded) lora_B as well as lora_A: PEFT's default zero lora_B would be an adapter that
+    # changes nothing, and serving it could not be told apart from serving the base model.
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(modules), init_lora_weights=False)
     get_peft_model(model, config).save_pretrained(out_dir)
     return out_dir

@@ -1,9 +1,9 @@
-"""Serving tenant A's adapter by name, and tenant B (the outsider) who can neither see, use nor
-delete it. B may use the same base model, so tenancy is the only thing between B and the adapter."""
+"""Serving tenant A's adapter by name on a real LoRA-enabled engine replica, and tenant B (the
+outsider) who can neither see, use nor delete it. B may use the same base model, so tenancy is the
+only thing between B and the adapter."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -16,15 +16,12 @@ from inference.models import LoraAdapter
 from inference.services.adapters import adapter_upload
 from tenants.models import UsageRecord
 from tenants.services import tenant_limits_update
-from tests.inference.peft_adapters import (
-    files_of,
-    files_on_disk,
-)
+from tests.inference.conftest import offline_adapter_outputs, offline_outputs, queued_requests
+from tests.inference.peft_adapters import files_of, files_on_disk
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NAME = "support-tone"
-HELLO = [("Hel", [11, 12]), ("lo!", [13])]
 
 
 @pytest.fixture
@@ -44,6 +41,10 @@ def chat_body(model: str, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "Hi there"}], **extra}
 
 
+# Greedy and exactly MAX_TOKENS long, so answers compare token for token and usage is known.
+GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+
 async def chat(world, body: dict, raw_key: str | None = None):
     return await AsyncClient().post(
         "/v1/chat/completions",
@@ -53,73 +54,80 @@ async def chat(world, body: dict, raw_key: str | None = None):
     )
 
 
-async def test_chat_naming_the_adapter_queues_the_base_model_request_with_its_lora(adapter_world):
+async def test_chat_naming_the_adapter_is_served_with_its_weights_on_the_base_model(
+    adapter_world, lora_engine_worker, reference_llm
+):
     world = adapter_world
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one(HELLO))
 
-    response = await chat(world, chat_body(NAME, max_tokens=5))
+    response = await chat(world, chat_body(NAME, **GREEDY))
 
     assert response.status_code == 200
-    request = await served
+    [request] = await queued_requests(world.model)
     adapter = world.adapter
     assert request.model == world.model
     assert request.lora == LoRARef(name=NAME, path=adapter.storage_path, version=adapter.version)
-    assert Path(request.lora.path) == Path(adapter.storage_path)
     assert sorted(p.name for p in Path(request.lora.path).iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
     assert request.cache_salt == f"tenant:{world.tenant_a.id}"
+    [tuned] = await sync_to_async(offline_adapter_outputs)(world.deployment.model_path, request)
+    [base] = offline_outputs(reference_llm, request)
+    assert len(tuned.token_ids) == len(base.token_ids) == 5
+    assert tuned.token_ids != base.token_ids  # the adapter's weights reached the forward pass
     body = response.json()
     assert body["model"] == NAME
-    assert body["choices"][0]["message"]["content"] == "Hello!"
+    assert body["choices"][0]["message"]["content"] == tuned.text != base.text
+    assert body["usage"]["completion_tokens"] == 5
     rows = await sync_to_async(list)(
-        UsageRecord.objects.values_list("request_id", "model", "adapter", "status")
+        UsageRecord.objects.values_list("request_id", "model", "adapter", "status", "completion_tokens")
     )
-    assert rows == [(response["x-request-id"], world.model, NAME, "success")]
+    assert rows == [(response["x-request-id"], world.model, NAME, "success", 5)]
 
 
-async def test_streamed_completion_naming_the_adapter_echoes_its_name(adapter_world):
+async def test_streamed_completion_naming_the_adapter_echoes_its_name(adapter_world, lora_engine_worker):
     world = adapter_world
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one(HELLO))
 
     response = await AsyncClient().post(
         "/v1/completions",
-        json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 3, "stream": True}),
+        json.dumps({"model": NAME, "prompt": "Hi", "stream": True, **GREEDY}),
         content_type="application/json",
         headers=world.headers(),
     )
 
     assert response.status_code == 200
     raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
-    request = await served
+    [request] = await queued_requests(world.model)
     assert request.lora is not None and request.lora.name == NAME
-    chunks = [json.loads(e[len("data: ") :]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    events = [e[len("data: ") :] for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
     assert {c["model"] for c in chunks} == {NAME}
+    [tuned] = await sync_to_async(offline_adapter_outputs)(world.deployment.model_path, request)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == tuned.text
 
 
-async def test_requests_with_the_base_model_carry_no_adapter(adapter_world):
+async def test_requests_with_the_base_model_carry_no_adapter(
+    adapter_world, lora_engine_worker, reference_llm
+):
     world = adapter_world
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one(HELLO))
 
-    response = await chat(world, chat_body(world.model, max_tokens=5))
+    response = await chat(world, chat_body(world.model, **GREEDY))
 
     assert response.status_code == 200
-    assert (await served).lora is None
+    [request] = await queued_requests(world.model)
+    assert request.lora is None
+    [base] = offline_outputs(reference_llm, request)
     assert response.json()["model"] == world.model
+    assert response.json()["choices"][0]["message"]["content"] == base.text
     assert await sync_to_async(list)(UsageRecord.objects.values_list("adapter", flat=True)) == [None]
 
 
-async def test_metrics_count_requests_per_adapter(adapter_world):
+async def test_metrics_count_requests_per_adapter(adapter_world, lora_engine_worker):
     world = adapter_world
-    await world.engine.heartbeat()
-    served = asyncio.create_task(world.engine.serve_one(HELLO))
-    response = await chat(world, chat_body(NAME, max_tokens=5))
+    response = await chat(world, chat_body(NAME, **GREEDY))
     assert response.status_code == 200
-    request = await served
+    [request] = await queued_requests(world.model)
 
     text = (await AsyncClient().get("/metrics")).content.decode()
 
@@ -128,13 +136,13 @@ async def test_metrics_count_requests_per_adapter(adapter_world):
         f'pagoda_adapter_requests_total{{{labels},status="success",tenant="{world.tenant_a.slug}"}} 1.0'
         in text
     )
-    tokens = len(request.prompt_token_ids) + 3
+    tokens = len(request.prompt_token_ids) + 5
     assert f'pagoda_adapter_tokens_total{{{labels},tenant="{world.tenant_a.slug}"}} {float(tokens)}' in text
 
 
 async def test_outsider_using_the_adapter_name_gets_model_not_found_like_a_missing_model(adapter_world):
     world = adapter_world
-    await world.engine.heartbeat()
+    await world.faults.heartbeat()
 
     outsider = await chat(world, chat_body(NAME), raw_key=world.raw_key_b)
     await sync_to_async(LoraAdapter.objects.all().delete)()
@@ -150,25 +158,25 @@ async def test_outsider_using_the_adapter_name_gets_model_not_found_like_a_missi
     }
     assert (outsider.status_code, outsider.json()) == (404, expected)
     assert (missing.status_code, missing.json()) == (404, expected)
-    assert await world.engine.queued_count() == 0
+    assert await world.faults.queued_count() == 0
     assert await sync_to_async(UsageRecord.objects.count)() == 0
 
 
 async def test_adapters_that_are_not_ready_cannot_be_used(adapter_world):
     world = adapter_world
-    await world.engine.heartbeat()
+    await world.faults.heartbeat()
     for status in ("uploaded", "validating", "failed"):
         await LoraAdapter.objects.filter(pk=world.adapter.pk).aupdate(status=status)
 
         response = await chat(world, chat_body(NAME))
 
         assert (response.status_code, response.json()["error"]["code"]) == (404, "model_not_found")
-    assert await world.engine.queued_count() == 0
+    assert await world.faults.queued_count() == 0
 
 
 async def test_adapter_on_a_base_model_the_key_may_not_use_cannot_be_used(adapter_world):
     world = adapter_world
-    await world.engine.heartbeat()
+    await world.faults.heartbeat()
     await sync_to_async(tenant_limits_update)(tenant=world.tenant_a, allowed_models=["b-only-model"])
 
     response = await chat(world, chat_body(NAME))
