@@ -104,7 +104,9 @@ def database_from_url(url: str) -> dict:
             "HOST": parsed.hostname or "",
             "PORT": str(port or ""),
             "OPTIONS": options,
-            "CONN_MAX_AGE": 60,
+            # Under ASGI every request runs its database work in a thread of its own, so a persistent
+            # connection is never reused and lingers after its thread: 0 closes it with the request.
+            "CONN_MAX_AGE": 0,
             "CONN_HEALTH_CHECKS": True,
         }
     if parsed.scheme == "sqlite":

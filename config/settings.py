@@ -96,7 +96,21 @@ if _database_url:
     DATABASES = {"default": database_from_url(_database_url)}
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
-    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": VAR_DIR / "db.sqlite3"}}
+    # Every ASGI request runs its database work in a thread of its own, so a busy server has many
+    # concurrent writers: WAL lets readers go on beside the writer, IMMEDIATE takes the write lock
+    # at BEGIN (a read lock upgraded mid-transaction fails at once, ignoring the timeout), and the
+    # timeout lets writers queue instead of raising "database is locked".
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": VAR_DIR / "db.sqlite3",
+            "OPTIONS": {
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
 # Several test runs may share one PostgreSQL server: each gets its own test database.
 DATABASES["default"].setdefault("TEST", {})["NAME"] = envstr(
     "PAGODA_TEST_DB_NAME", f"test_pagoda_{os.getpid()}"

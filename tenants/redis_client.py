@@ -39,7 +39,10 @@ def get_async_redis() -> aioredis.Redis:
     client = _async_clients.get(loop_id)
     if client is None:
         pool = aioredis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL, decode_responses=False, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S
+            settings.REDIS_URL,
+            decode_responses=False,
+            max_connections=MAX_CONNECTIONS,
+            timeout=POOL_TIMEOUT_S,
         )
         client = aioredis.Redis(connection_pool=pool)
         _async_clients[loop_id] = client

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.db import connection
 
 from engine.protocol import Event, GenerateRequest
 from inference import metrics
@@ -73,6 +74,17 @@ def _engine_error(event: Event) -> PlatformError:
     return PlatformError(message, code=event.code or "engine_error")
 
 
+def _reserve_and_release_connection(**kwargs: Any) -> Reservation:
+    """admission_reserve, then close this request's database connection: a stream lasts as long as
+    its generation, and one connection held per open stream exhausts PostgreSQL (100 by default)
+    long before the web tier's capacity. Settling at the end opens a fresh one."""
+    try:
+        return admission_reserve(**kwargs)
+    finally:
+        if not connection.in_atomic_block:
+            connection.close()
+
+
 @dataclass
 class Generation:
     auth: AuthContext
@@ -103,7 +115,7 @@ class Generation:
         # Refusals happen before the reservation: nothing is counted, queued or written for them.
         if not await live_replica_ids_async(plan.model):
             raise engine_unavailable(plan.model)
-        self.reservation = await sync_to_async(admission_reserve)(
+        self.reservation = await sync_to_async(_reserve_and_release_connection)(
             auth=self.auth,
             model=plan.model,
             prompt_tokens=plan.prompt_tokens,
