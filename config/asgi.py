@@ -16,7 +16,6 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from config.routing import websocket_urlpatterns  # noqa: E402
 
 
-
 def origin_checked(inner):
     """Browsers always send Origin: theirs must be one of ALLOWED_HOSTS. SDK and server clients send
     none; they are let through, since the websocket authenticates with an API key, never a cookie."""

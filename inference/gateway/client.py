@@ -7,7 +7,14 @@ from collections.abc import Iterable
 
 from django.conf import settings
 
-from engine.protocol import Event, GenerateRequest, cancel_message, cancel_stream, output_stream, requests_stream
+from engine.protocol import (
+    Event,
+    GenerateRequest,
+    cancel_message,
+    cancel_stream,
+    output_stream,
+    requests_stream,
+)
 from tenants.redis_client import get_async_redis
 
 # Cancel streams are read by every replica from where it joined; old entries only cost memory.

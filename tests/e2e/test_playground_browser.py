@@ -82,7 +82,7 @@ def test_playground_streams_a_reply_token_by_token(tmp_path, tiny_model_dir):
         assert reply.strip() != ""
         # Several deltas, each extending the one before: the reply streamed in, it did not land whole.
         assert len(texts) >= 2
-        assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+        assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:], strict=False))
         assert texts[-1] == driver.execute_script(
             "var b = document.querySelectorAll('#pg-transcript .msg-assistant'); return b[b.length-1].textContent;"
         )
