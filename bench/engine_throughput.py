@@ -1,48 +1,42 @@
 """Output tokens/s: the engine against transformers' generate with static padded batches, on CPU.
 
 One seeded workload (prompt lengths uniform in 32-512, output lengths uniform in 16-256, EOS ignored)
-through both. transformers runs batches of 16 in arrival order, left-padded, each batch decoding until
-its longest request is done; only the requested tokens count as output. The engine gets every request
-at once and schedules them continuously. Prints a final JSON line.
+through both, on the ~32M-parameter benchmark model in float32. transformers runs batches of 16 in
+arrival order, left-padded, each batch decoding until its longest request is done; only the
+requested tokens count as output. The engine gets every request at once and schedules them
+continuously. Prints each side's output tokens/s and the ratio, then a final JSON line.
 
-    .venv/bin/python bench/engine_throughput.py                  # the full 128-request workload
-    .venv/bin/python bench/engine_throughput.py --num-requests 16   # a quick run
+    OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py                  # 128 requests
+    OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py --num-requests 16   # a quick run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from common import bench_model_dir, log, num_parameters, vocab_size  # noqa: E402
+
+Request = tuple[list[int], int]  # (prompt token ids, output tokens)
 
 
-def bench_model_dir(arch: str = "llama", dtype: str = "float32") -> Path:
-    """The ~30M-parameter benchmark model, built once and cached."""
-    from engine.make_model import make_model
-
-    root = Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "models"
-    out = root / f"{arch}-bench-{dtype}-seed0"
-    if not (out / "config.json").exists():
-        make_model(out, arch=arch, size="bench", seed=0, dtype=dtype)
-    return out
-
-
-def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+def workload(n: int, seed: int, vocab: int) -> list[Request]:
     rng = random.Random(seed)
+    # Ids 0-5 are the special tokens; a random prompt of ordinary ones is what a model sees.
     return [
-        ([rng.randrange(6, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256)) for _ in range(n)
+        ([rng.randrange(6, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+        for _ in range(n)
     ]
 
 
-def run_transformers(model_dir: Path, reqs: list[tuple[list[int], int]], batch_size: int, pad_id: int) -> float:
+def run_transformers(model_dir: Path, reqs: list[Request], batch_size: int, pad_id: int) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -57,7 +51,7 @@ def run_transformers(model_dir: Path, reqs: list[tuple[list[int], int]], batch_s
             mask[row, width - len(p) :] = 1
         new = max(n for _, n in batch)
         with torch.inference_mode():
-            model.generate(
+            out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 do_sample=False,
@@ -65,10 +59,12 @@ def run_transformers(model_dir: Path, reqs: list[tuple[list[int], int]], batch_s
                 min_new_tokens=new,
                 pad_token_id=pad_id,
             )
+        assert out.shape == (len(batch), width + new), out.shape
+        log(f"transformers: batch {i // batch_size + 1} done at {time.perf_counter() - start:.1f}s")
     return time.perf_counter() - start
 
 
-def run_engine(model_dir: Path, reqs: list[tuple[list[int], int]], args: argparse.Namespace) -> tuple[float, int]:
+def run_engine(model_dir: Path, reqs: list[Request], args: argparse.Namespace) -> tuple[float, int, int]:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -84,11 +80,14 @@ def run_engine(model_dir: Path, reqs: list[tuple[list[int], int]], args: argpars
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params)
     elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return elapsed, produced, llm.engine.num_steps
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="transformers' static batch size")
     parser.add_argument("--seed", type=int, default=0)
@@ -97,33 +96,42 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--size", default="bench", help="engine.make_model size of the built model")
+    parser.add_argument("--model-dir", type=Path, default=None, help="an existing model directory instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = args.model_dir or bench_model_dir()
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    reqs = workload(args.num_requests, args.seed, vocab)
+    model_dir = args.model_dir or bench_model_dir(size=args.size)
+    reqs = workload(args.num_requests, args.seed, vocab_size(model_dir))
     wanted = sum(n for _, n in reqs)
-
-    engine_s, produced = run_engine(model_dir, reqs, args)
-    assert produced == wanted, (produced, wanted)
-    result = {
+    result: dict[str, object] = {
         "bench": "engine_throughput",
         "model": model_dir.name,
-        "num_requests": len(reqs),
-        "output_tokens": wanted,
+        "params_m": round(num_parameters(model_dir) / 1e6, 1),
+        "dtype": "float32",
+        "device": "cpu",
         "threads": args.threads,
-        "engine_s": round(engine_s, 2),
-        "engine_tok_s": round(wanted / engine_s, 1),
+        "num_requests": len(reqs),
+        "prompt_tokens": sum(len(p) for p, _ in reqs),
+        "output_tokens": wanted,
     }
-    print(f"engine: {wanted} tokens in {engine_s:.1f}s", file=sys.stderr)
+    if not args.skip_engine:
+        engine_s, produced, steps = run_engine(model_dir, reqs, args)
+        assert produced == wanted, (produced, wanted)
+        result.update(
+            engine_s=round(engine_s, 2), engine_steps=steps, engine_tok_s=round(wanted / engine_s, 1)
+        )
+        print(
+            f"engine:       {wanted} output tokens in {engine_s:.1f}s = {wanted / engine_s:.1f} tok/s",
+            flush=True,
+        )
     if not args.skip_transformers:
         hf_s = run_transformers(model_dir, reqs, args.batch_size, pad_id=5)
-        result.update(
-            transformers_s=round(hf_s, 2),
-            transformers_tok_s=round(wanted / hf_s, 1),
-            ratio=round(hf_s / engine_s, 2),
-        )
+        result.update(transformers_s=round(hf_s, 2), transformers_tok_s=round(wanted / hf_s, 1))
+        print(f"transformers: {wanted} output tokens in {hf_s:.1f}s = {wanted / hf_s:.1f} tok/s", flush=True)
+    if "engine_s" in result and "transformers_s" in result:
+        result["ratio"] = round(hf_s / engine_s, 2)
+        print(f"engine / transformers: {result['ratio']}x", flush=True)
     print(json.dumps(result))
 
 
