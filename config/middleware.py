@@ -36,7 +36,9 @@ def _observe(request, response, started: float) -> None:
     HTTP_LATENCY.labels(method, route).observe(time.perf_counter() - started)
 
 
-class RequestMetricsMiddleware:
+class _SyncAndAsyncMiddleware:
+    """Runs in whichever mode the handler below it has, so an async view stays async end to end."""
+
     sync_capable = True
     async_capable = True
 
@@ -45,6 +47,8 @@ class RequestMetricsMiddleware:
         if iscoroutinefunction(get_response):
             markcoroutinefunction(self)
 
+
+class RequestMetricsMiddleware(_SyncAndAsyncMiddleware):
     def __call__(self, request):
         if iscoroutinefunction(self):
             return self.__acall__(request)
@@ -81,17 +85,9 @@ def _reshaped(request, response):
     return reshaped
 
 
-class ApiErrorShapeMiddleware:
+class ApiErrorShapeMiddleware(_SyncAndAsyncMiddleware):
     """Every /v1 answer is JSON: exceptions a view lets escape become OpenAI-shaped errors (bad
     input a 4xx, anything else a logged 500), and so do error pages rendered below this layer."""
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        if iscoroutinefunction(get_response):
-            markcoroutinefunction(self)
 
     def __call__(self, request):
         if iscoroutinefunction(self):

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import check_float, check_int, check_same_device, dot_settings
+from kernels._paged import load_kv_tile
 
 LOG2E = 1.4426950408889634
 
@@ -92,27 +93,11 @@ def _prefill_attention_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + offs_n
         mask_n = pos < kv_end
-        block_ids = tl.load(block_table_row + (pos // BLOCK_SIZE) * stride_btb, mask=mask_n, other=0).to(
-            tl.int64
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_row, pos, mask_n, offs_d, mask_d, kv_head, stride_btb,
+            stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+            BLOCK_SIZE, UPCAST_DOT,
         )
-        in_block = pos % BLOCK_SIZE
-        k_offs = block_ids * stride_kcb + in_block * stride_kcs + kv_head * stride_kch
-        v_offs = block_ids * stride_vcb + in_block * stride_vcs + kv_head * stride_vch
-        # (BLOCK_D, BLOCK_N): keys transposed for q @ k
-        k = tl.load(
-            k_cache_ptr + k_offs[None, :] + offs_d[:, None] * stride_kcd,
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        # (BLOCK_N, BLOCK_D)
-        v = tl.load(
-            v_cache_ptr + v_offs[:, None] + offs_d[None, :] * stride_vcd,
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
 
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         causal = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
