@@ -165,6 +165,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+# whitenoise warns on every start while collectstatic has not run yet (tests, a first start).
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 STATICFILES_DIRS = [BASE_DIR / "static"] if (BASE_DIR / "static").is_dir() else []
 MEDIA_ROOT = Path(envstr("PAGODA_MEDIA_DIR", str(BASE_DIR / "media")))
 MODELS_DIR = Path(envstr("PAGODA_MODELS_DIR", str(BASE_DIR / "models")))
