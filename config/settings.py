@@ -94,6 +94,12 @@ TEMPLATES = [
 _database_url = envstr("DATABASE_URL")
 if _database_url:
     DATABASES = {"default": database_from_url(_database_url)}
+    _db_pool_max = envint("PAGODA_DB_POOL_MAX", 20, minimum=0)
+    if _db_pool_max and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # ASGI runs each request's database work in a thread of its own: without a pool every open
+        # request holds a PostgreSQL connection, and a burst exceeds the server's max_connections.
+        # With one, a burst waits for one of at most PAGODA_DB_POOL_MAX connections per process.
+        DATABASES["default"]["OPTIONS"]["pool"] = {"min_size": 1, "max_size": _db_pool_max, "timeout": 30}
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     # Every ASGI request runs its database work in a thread of its own, so a busy server has many
