@@ -255,17 +255,23 @@ class Scheduler:
             seq = self.waiting.peek()
             if seq is None:
                 break
-            # A head whose adapter finds no slot waits for one to drain rather than being
-            # overtaken, so requests of an adapter that is not loaded are never starved.
+            # A head whose adapter finds no slot waits for one to drain and is not overtaken by
+            # other adapters' requests, so an adapter that is not loaded is never starved. Base-model
+            # requests behind it take no slot, so they run meanwhile.
             if lora_slots is not None and not lora_slots.can_admit(seq.lora_id, loras_in_use):
-                break
+                seq = next((s for s in self.waiting if s.lora_id == 0), None)
+                if seq is None:
+                    break
             computed = bm.get_computed_blocks(seq)
             num_hit = len(computed) * self.block_size
             num_new = self._num_new_tokens(seq.num_tokens - num_hit, budget)
             # Strict order: a big request at the head is never overtaken, so it cannot starve.
             if num_new == 0 or not bm.can_allocate(seq, num_new, computed):
                 break
-            self.waiting.pop()
+            if seq is self.waiting.peek():
+                self.waiting.pop()
+            else:
+                self.waiting.remove(seq)
             bm.allocate(seq, num_new, computed)
             if lora_slots is not None and seq.lora_id:
                 lora_slots.acquire(seq.lora_id, loras_in_use)

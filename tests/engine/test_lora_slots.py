@@ -93,6 +93,32 @@ def test_three_adapters_through_two_slots_all_finish_and_the_third_waits_for_a_s
     assert sched.lora_slots.num_evictions >= 1
 
 
+def test_base_model_requests_pass_a_head_waiting_for_a_slot_and_the_head_still_runs_next():
+    sched = make_scheduler(1)
+    running = Sequence("x", [1, 2, 3, 4, 5], Params(max_tokens=6), lora_id=1)
+    sched.add(running)
+    run_step(sched)
+    head = Sequence("y", [1, 2, 3, 4, 5], Params(max_tokens=2), lora_id=2)
+    other_adapter = Sequence("z", [1, 2, 3, 4, 5], Params(max_tokens=2), lora_id=3)
+    base = Sequence("b", [1, 2, 3, 4, 5], Params(max_tokens=2))
+    for seq in (head, other_adapter, base):
+        sched.add(seq)
+
+    assert run_step(sched) == {1}
+
+    # The base-model request runs beside adapter 1; adapters 2 and 3 wait for the one slot.
+    assert base.status is SequenceStatus.RUNNING
+    assert head.status is SequenceStatus.WAITING and other_adapter.status is SequenceStatus.WAITING
+    order = []
+    while sched.has_unfinished():
+        before = {s.request_id for s in sched.running}
+        run_step(sched)
+        order.extend(r for r in ("y", "z") if r not in before and any(s.request_id == r for s in sched.running))
+        assert len(order) < 50
+    assert order[:1] == ["y"]  # the head got the freed slot first
+    assert all(s.finish_reason == "length" for s in (running, head, other_adapter, base))
+
+
 request = st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 4))  # prompt len, max_tokens, lora
 
 
