@@ -95,3 +95,12 @@ def make_paged_batch(
         query_lens=list(query_lens),
         seq_lens_list=list(seq_lens),
     )
+
+
+def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+    """The torch reference's attention output for a batch made by make_paged_batch."""
+    from kernels.reference import ref_paged_attention
+
+    return ref_paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from kernels.paged_decode_attention import paged_decode_attention
-from kernels.reference import ref_paged_attention
-from tests.kernels.helpers import DEVICES, DTYPES, assert_close, make_paged_batch
+from tests.kernels.helpers import DEVICES, DTYPES, assert_close, make_paged_batch, reference_attention
 
 # Context lengths 1, 15, 63 and 300: a lone token, partial last blocks (15 % 16, 63 % 16, 300 % 16).
 SEQ_LENS = [1, 15, 63, 300]
@@ -21,18 +20,6 @@ def _decode_batch(seq_lens, *, group, dtype, device, head_dim=32, seed=0):
         dtype=dtype,
         device=device,
         seed=seed,
-    )
-
-
-def _reference(batch, scale):
-    return ref_paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        scale,
     )
 
 
@@ -57,7 +44,7 @@ def test_decode_matches_the_reference_over_mixed_context_lengths(device, dtype, 
     )
 
     assert out.shape == batch.q.shape and out.dtype == dtype
-    assert_close(out, _reference(batch, scale), dtype)
+    assert_close(out, reference_attention(batch, scale), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -70,7 +57,7 @@ def test_decode_handles_head_dims_that_are_not_tile_sized(device, head_dim):
         batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, scale, split_size=16
     )
 
-    assert_close(out, _reference(batch, scale), torch.float32)
+    assert_close(out, reference_attention(batch, scale), torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -92,7 +79,7 @@ def test_split_count_follows_the_given_max_seq_len_and_writes_into_out(device):
     )
 
     assert result.data_ptr() == out.data_ptr()
-    assert_close(out, _reference(batch, 0.2), torch.float32)
+    assert_close(out, reference_attention(batch, 0.2), torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)

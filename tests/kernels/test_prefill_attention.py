@@ -5,8 +5,7 @@ import torch
 
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
-from kernels.reference import ref_paged_attention
-from tests.kernels.helpers import DEVICES, DTYPES, assert_close, make_paged_batch
+from tests.kernels.helpers import DEVICES, DTYPES, assert_close, make_paged_batch, reference_attention
 
 # (query_len, seq_len) per sequence of one mixed step:
 #   a one-token prompt, a fresh 15-token prompt, a 63-token chunk after 20 cached tokens (prefix hit
@@ -25,18 +24,6 @@ def _batch(pairs, *, group, dtype, device, head_dim=32, seed=0):
         dtype=dtype,
         device=device,
         seed=seed,
-    )
-
-
-def _reference(batch, scale):
-    return ref_paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        scale,
     )
 
 
@@ -63,7 +50,7 @@ def test_prefill_matches_the_reference_on_a_mixed_batch(device, dtype, group):
     out = _prefill(batch, scale)
 
     assert out.shape == batch.q.shape and out.dtype == dtype
-    assert_close(out, _reference(batch, scale), dtype)
+    assert_close(out, reference_attention(batch, scale), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,7 +59,7 @@ def test_a_300_token_prompt_from_scratch_is_causal_across_many_tiles(device):
 
     out = _prefill(batch, 0.2)
 
-    assert_close(out, _reference(batch, 0.2), torch.float32)
+    assert_close(out, reference_attention(batch, 0.2), torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,7 +70,7 @@ def test_tile_sizes_do_not_change_the_result(device, block_m, block_n):
 
     out = _prefill(batch, 0.2, block_m=block_m, block_n=block_n)
 
-    assert_close(out, _reference(batch, 0.2), torch.float32)
+    assert_close(out, reference_attention(batch, 0.2), torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,7 +81,7 @@ def test_prefill_handles_head_dims_that_are_not_tile_sized(device, head_dim):
 
     out = _prefill(batch, scale)
 
-    assert_close(out, _reference(batch, scale), torch.bfloat16)
+    assert_close(out, reference_attention(batch, scale), torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
