@@ -54,6 +54,9 @@ def configure_django(*, run_id: str) -> Path:
     django.setup()
     from django.conf import settings
 
+    from config.embedded_redis import start_if_configured
+
+    start_if_configured()
     # The children reach the same server (an embedded one is found through its socket anyway).
     os.environ["REDIS_URL"] = settings.REDIS_URL
     from django.core.management import call_command
@@ -181,9 +184,9 @@ class BenchStack:
         self.stop()
         from django.conf import settings
 
+        from core.redis_client import get_redis
         from inference.models import ModelDeployment
         from tenants.models import Tenant, UsageDaily, UsageRecord
-        from tenants.redis_client import get_redis
 
         # The ledger protects the keys it names: its rows go first. Each delete on its own, so one
         # failure does not leave the deployment behind (an enabled model with no replica makes

@@ -55,3 +55,38 @@ def percentile(values: Sequence[float], q: float) -> float:
 def log(message: str) -> None:
     """Progress goes to stderr so that stdout ends with the JSON line alone."""
     print(message, file=sys.stderr, flush=True)
+
+
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct (float32), fetched once into the cache by `engine.demo_model`."""
+    from engine.demo_model import default_model_dir, fetch_demo_model
+
+    return fetch_demo_model(default_model_dir("float32"), dtype="float32")
+
+
+class PromptSource:
+    """Prompt token ids of requested lengths: windows of real text tokenized by the model's own
+    tokenizer (the Python standard library's sources, on every machine), or, for random-weight
+    models, random ordinary token ids."""
+
+    def __init__(self, model_dir: Path, rng, *, real_text: bool) -> None:
+        self.rng = rng
+        self.vocab = vocab_size(model_dir)
+        self.corpus: list[int] = []
+        if real_text:
+            import glob
+            import sysconfig
+
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:60]
+            text = "\n".join(Path(f).read_text(errors="replace") for f in files)
+            self.corpus = tokenizer.encode(text, add_special_tokens=False)
+
+    def take(self, n: int) -> list[int]:
+        if not self.corpus:
+            # Ids 0-5 are the special tokens of the made-up models; ordinary ones follow.
+            return [self.rng.randrange(6, self.vocab) for _ in range(n)]
+        start = self.rng.randrange(0, len(self.corpus) - n)
+        return self.corpus[start : start + n]

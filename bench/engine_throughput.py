@@ -1,13 +1,15 @@
 """Output tokens/s: the engine against transformers' generate with static padded batches, on CPU.
 
 One seeded workload (prompt lengths uniform in 32-512, output lengths uniform in 16-256, EOS ignored)
-through both, on the ~32M-parameter benchmark model in float32. transformers runs batches of 16 in
+through both, on the ~32M-parameter random-weight benchmark model in float32, or with --real-model
+on SmolLM2-135M-Instruct (float32) with prompts of real text. transformers runs batches of 16 in
 arrival order, left-padded, each batch decoding until its longest request is done; only the
 requested tokens count as output. The engine gets every request at once and schedules them
 continuously. Prints each side's output tokens/s and the ratio, then a final JSON line.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py                  # 128 requests
     OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py --num-requests 16   # a quick run
+    OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py --real-model --num-requests 64
 """
 
 from __future__ import annotations
@@ -22,18 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import bench_model_dir, log, num_parameters, vocab_size  # noqa: E402
+from common import PromptSource, bench_model_dir, log, num_parameters, real_model_dir  # noqa: E402
 
 Request = tuple[list[int], int]  # (prompt token ids, output tokens)
 
 
-def workload(n: int, seed: int, vocab: int) -> list[Request]:
+def workload(n: int, seed: int, model_dir: Path, real_text: bool) -> list[Request]:
     rng = random.Random(seed)
-    # Ids 0-5 are the special tokens; a random prompt of ordinary ones is what a model sees.
-    return [
-        ([rng.randrange(6, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
-        for _ in range(n)
-    ]
+    source = PromptSource(model_dir, rng, real_text=real_text)
+    return [(source.take(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(n)]
 
 
 def run_transformers(model_dir: Path, reqs: list[Request], batch_size: int, pad_id: int) -> float:
@@ -99,14 +98,23 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--size", default="bench", help="engine.make_model size of the built model")
     parser.add_argument("--model-dir", type=Path, default=None, help="an existing model directory instead")
+    parser.add_argument(
+        "--real-model",
+        action="store_true",
+        help="SmolLM2-135M-Instruct on prompts of real text (fetched once)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = args.model_dir or bench_model_dir(size=args.size)
-    reqs = workload(args.num_requests, args.seed, vocab_size(model_dir))
+    model_dir = real_model_dir() if args.real_model else (args.model_dir or bench_model_dir(size=args.size))
+    reqs = workload(args.num_requests, args.seed, model_dir, real_text=args.real_model)
+    pad_id = (
+        2 if args.real_model else 5
+    )  # the padding token: SmolLM2's <|im_end|>, the made-up models' <|pad|>
     wanted = sum(n for _, n in reqs)
     result: dict[str, object] = {
         "bench": "engine_throughput",
         "model": model_dir.name,
+        "prompts": "real text" if args.real_model else "random token ids",
         "params_m": round(num_parameters(model_dir) / 1e6, 1),
         "dtype": "float32",
         "device": "cpu",
@@ -126,7 +134,7 @@ def main() -> None:
             flush=True,
         )
     if not args.skip_transformers:
-        hf_s = run_transformers(model_dir, reqs, args.batch_size, pad_id=5)
+        hf_s = run_transformers(model_dir, reqs, args.batch_size, pad_id=pad_id)
         result.update(transformers_s=round(hf_s, 2), transformers_tok_s=round(wanted / hf_s, 1))
         print(f"transformers: {wanted} output tokens in {hf_s:.1f}s = {wanted / hf_s:.1f} tok/s", flush=True)
     if "engine_s" in result and "transformers_s" in result:

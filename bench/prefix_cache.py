@@ -15,6 +15,7 @@ waste = 1 - used / allocated, summed over steps. Prints a final JSON line.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/prefix_cache.py
     OMP_NUM_THREADS=2 .venv/bin/python bench/prefix_cache.py --num-requests 4 --mixed-requests 8
+    OMP_NUM_THREADS=2 .venv/bin/python bench/prefix_cache.py --real-model   # SmolLM2-135M-Instruct, real text
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import bench_model_dir, log, num_parameters, percentile, vocab_size  # noqa: E402
+from common import PromptSource, bench_model_dir, log, num_parameters, percentile, real_model_dir  # noqa: E402
 
 
 def make_engine(model_dir: Path, args: argparse.Namespace, *, prefix_caching: bool):
@@ -78,12 +79,14 @@ def kv_slots(engine) -> tuple[int, int]:
     return len(used_by_block) * block_size, sum(used_by_block.values())
 
 
-def mixed_run(engine, prefix: list[int], args: argparse.Namespace, rng: random.Random, vocab: int) -> dict:
+def mixed_run(
+    engine, prefix: list[int], args: argparse.Namespace, rng: random.Random, source: PromptSource
+) -> dict:
     from engine.sampling_params import SamplingParams
 
     for i in range(args.mixed_requests):
-        suffix = [rng.randrange(6, vocab) for _ in range(rng.randint(16, 64))]
-        own = [rng.randrange(6, vocab) for _ in range(rng.randint(32, 512))]
+        suffix = source.take(rng.randint(16, 64))
+        own = source.take(rng.randint(32, 512))
         prompt = prefix + suffix if i % 2 == 0 else own
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 128), ignore_eos=True)
         engine.add_request(f"mixed-{i}", prompt, params)
@@ -116,16 +119,18 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--size", default="bench", help="engine.make_model size of the built model")
     parser.add_argument("--model-dir", type=Path, default=None, help="an existing model directory instead")
+    parser.add_argument(
+        "--real-model",
+        action="store_true",
+        help="SmolLM2-135M-Instruct on prompts of real text (fetched once)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = args.model_dir or bench_model_dir(size=args.size)
-    vocab = vocab_size(model_dir)
+    model_dir = real_model_dir() if args.real_model else (args.model_dir or bench_model_dir(size=args.size))
     rng = random.Random(args.seed)
-    prefix = [rng.randrange(6, vocab) for _ in range(args.prefix_len)]
-    prompts = [
-        prefix + [rng.randrange(6, vocab) for _ in range(rng.randint(16, 64))]
-        for _ in range(args.num_requests)
-    ]
+    source = PromptSource(model_dir, rng, real_text=args.real_model)
+    prefix = source.take(args.prefix_len)
+    prompts = [prefix + source.take(rng.randint(16, 64)) for _ in range(args.num_requests)]
 
     cold_engine = make_engine(model_dir, args, prefix_caching=False)
     time_to_first_token(cold_engine, "cold-warmup", prompts[0])  # first-call costs, not the cache
@@ -134,7 +139,7 @@ def main() -> None:
     del cold_engine
 
     warm_engine = make_engine(model_dir, args, prefix_caching=True)
-    time_to_first_token(warm_engine, "warm-prime", prefix + [rng.randrange(6, vocab)])
+    time_to_first_token(warm_engine, "warm-prime", prefix + source.take(1))
     warm: list[float] = []
     for i, p in enumerate(prompts):
         ttft, cached = time_to_first_token(warm_engine, f"warm-{i}", p)
@@ -145,10 +150,11 @@ def main() -> None:
     hit_rate = warm_engine.get_stats()["prefix_cache_hit_rate"]
     del warm_engine
 
-    waste = mixed_run(make_engine(model_dir, args, prefix_caching=True), prefix, args, rng, vocab)
+    waste = mixed_run(make_engine(model_dir, args, prefix_caching=True), prefix, args, rng, source)
     result = {
         "bench": "prefix_cache",
         "model": model_dir.name,
+        "prompts": "real text" if args.real_model else "random token ids",
         "params_m": round(num_parameters(model_dir) / 1e6, 1),
         "dtype": "float32",
         "device": "cpu",

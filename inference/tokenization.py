@@ -10,7 +10,8 @@ import functools
 import threading
 from typing import Any
 
-from tenants.errors import InvalidRequestError, ServiceUnavailableError
+from core.errors import InvalidRequestError, ServiceUnavailableError
+from engine.chat_template import ChatTemplateError, chat_prompt_token_ids
 
 _load_lock = threading.Lock()
 
@@ -33,14 +34,12 @@ def get_tokenizer(model_path: str) -> Any:
 
 def chat_prompt_ids(model_path: str, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of the conversation rendered by the model's chat template, ready for the
-    assistant's turn. The template adds the special tokens itself."""
+    assistant's turn; text in the messages never becomes a control token."""
     tokenizer = get_tokenizer(model_path)
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError(
-            "This model has no chat template; use /v1/completions.", param="messages"
-        )
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    try:
+        return chat_prompt_token_ids(tokenizer, messages)
+    except ChatTemplateError as exc:
+        raise InvalidRequestError(str(exc), param="messages") from exc
 
 
 def text_prompt_ids(model_path: str, text: str) -> list[int]:

