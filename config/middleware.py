@@ -8,11 +8,9 @@ import time
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from prometheus_client import Counter, Histogram
 
-from tenants.api.exceptions import error_for_status, error_response
+from core.api.exceptions import error_for_status, error_response
 
-HTTP_REQUESTS = Counter(
-    "pagoda_http_requests_total", "HTTP requests handled", ["method", "route", "status"]
-)
+HTTP_REQUESTS = Counter("pagoda_http_requests_total", "HTTP requests handled", ["method", "route", "status"])
 HTTP_LATENCY = Histogram(
     "pagoda_http_request_duration_seconds",
     "HTTP request latency until the response object is returned (streams: until headers)",

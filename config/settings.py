@@ -12,7 +12,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from config.embedded_redis import ensure_embedded_redis
+from config.embedded_redis import embedded_redis_url
 from config.env import (
     database_from_url,
     envbool,
@@ -123,7 +123,10 @@ DATABASES["default"].setdefault("TEST", {})["NAME"] = envstr(
 )
 
 _redis_url = envstr("REDIS_URL")
-REDIS_URL = redis_url_checked(_redis_url) if _redis_url else ensure_embedded_redis(VAR_DIR)
+# Without REDIS_URL: the embedded redis-server's socket. Importing the settings starts nothing; the
+# processes that use Redis start the server (config.embedded_redis.start_if_configured).
+EMBEDDED_REDIS = not _redis_url
+REDIS_URL = redis_url_checked(_redis_url) if _redis_url else embedded_redis_url(VAR_DIR)
 # Every Redis key the platform writes starts with this, so several deployments (or test runs)
 # can share one server.
 REDIS_PREFIX = envstr("PAGODA_REDIS_PREFIX", "pagoda:")
@@ -195,7 +198,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "UNAUTHENTICATED_USER": None,
     # Every API error, DRF's own included, in OpenAI's {"error": {...}} shape.
-    "EXCEPTION_HANDLER": "tenants.api.exceptions.api_exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exceptions.api_exception_handler",
 }
 
 # Platform knobs.

@@ -3,8 +3,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path, re_path
 
+from core.api.views import v1_not_found
 from inference import health
-from tenants.api.views import v1_not_found
 
 urlpatterns = [
     path("health", health.health),

@@ -89,6 +89,8 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+            raise ConfigError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")

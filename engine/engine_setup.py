@@ -52,7 +52,9 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
 def load_tokenizer(model_dir: str | Path) -> Any:
     root = Path(model_dir)
     if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-        raise ModelLoadError(f"{root}: no tokenizer (tokenizer.json or tokenizer.model) in the model directory")
+        raise ModelLoadError(
+            f"{root}: no tokenizer (tokenizer.json or tokenizer.model) in the model directory"
+        )
     from transformers import AutoTokenizer
 
     try:
@@ -77,7 +79,13 @@ def _profile_gpu_num_blocks(config: EngineConfig, model, max_model_len: int, sam
 
     block_size = config.cache.block_size
     n = min(config.scheduler.max_num_batched_tokens, max_model_len)
-    probe = ModelRunner(model, num_blocks=-(-n // block_size), block_size=block_size, max_model_len=max_model_len, sampler=sampler)
+    probe = ModelRunner(
+        model,
+        num_blocks=-(-n // block_size),
+        block_size=block_size,
+        max_model_len=max_model_len,
+        sampler=sampler,
+    )
     from engine.sampling_params import SamplingParams
 
     seq = Sequence("profile", [0] * n, SamplingParams(max_tokens=1))
@@ -133,6 +141,8 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
         max_model_len=max_model_len,
         sampler=sampler,
         enforce_eager=config.enforce_eager,
-        cuda_graph_batch_sizes=tuple(b for b in config.cuda_graph_batch_sizes if b <= scheduler_config.max_num_seqs),
+        cuda_graph_batch_sizes=tuple(
+            b for b in config.cuda_graph_batch_sizes if b <= scheduler_config.max_num_seqs
+        ),
     )
     return EngineSetup(model_config, tokenizer, device, max_model_len, scheduler_config, num_blocks, runner)

@@ -128,7 +128,9 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
         prompt = list(prompt_token_ids)
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [
+            t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         lora_id = self._lora_id(tenant, lora, sampling_params.n)
@@ -160,7 +162,8 @@ class LLMEngine:
                 self.lora_manager.release(lora_id, sampling_params.n)
             raise
         completions = [
-            _Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids)) for seq in seqs
+            _Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids))
+            for seq in seqs
         ]
         for c in completions:
             c.logprobs_delta = None if sampling_params.logprobs is None else []

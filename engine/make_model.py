@@ -62,7 +62,9 @@ def train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     files = _training_files()
-    digest = hashlib.sha256("\n".join([str(vocab_size), *SPECIAL_TOKENS, *map(os.path.basename, files)]).encode())
+    digest = hashlib.sha256(
+        "\n".join([str(vocab_size), *SPECIAL_TOKENS, *map(os.path.basename, files)]).encode()
+    )
     cached = _cache_dir() / f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}.json"
     if cached.exists():
         return Tokenizer.from_file(str(cached))
@@ -160,9 +162,9 @@ def make_model(
     out_path.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(out_path, safe_serialization=True, **kwargs)
-    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["eot"]], pad_token_id=ids["pad"]).save_pretrained(
-        out_path
-    )
+    GenerationConfig(
+        bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["eot"]], pad_token_id=ids["pad"]
+    ).save_pretrained(out_path)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOT, pad_token="<|pad|>", chat_template=CHAT_TEMPLATE
     )

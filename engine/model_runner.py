@@ -62,7 +62,10 @@ class ModelRunner:
         # batched decode reads masked padding and 0 * NaN from uninitialised memory is NaN.
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(cfg.num_layers)
         ]
         self._generators: dict[int, torch.Generator | None] = {}
@@ -130,7 +133,12 @@ class ModelRunner:
         md = inputs.metadata
         # The graphs were captured without adapters; a step with adapter tokens runs eagerly.
         lora_active = self.lora is not None and self.lora.active
-        if self.graphs is not None and md.is_pure_decode and self.graphs.fits(md.num_seqs) and not lora_active:
+        if (
+            self.graphs is not None
+            and md.is_pure_decode
+            and self.graphs.fits(md.num_seqs)
+            and not lora_active
+        ):
             hidden = self.graphs.replay(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
@@ -141,7 +149,9 @@ class ModelRunner:
         if seq.seq_id not in self._generators:
             seed = seq.sampling_params.seed
             # Siblings of an n > 1 request must not draw identical samples from one seed.
-            self._generators[seq.seq_id] = make_generator(None if seed is None else seed + seq.index, self.device)
+            self._generators[seq.seq_id] = make_generator(
+                None if seed is None else seed + seq.index, self.device
+            )
         return self._generators[seq.seq_id]
 
     def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

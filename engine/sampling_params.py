@@ -11,11 +11,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.rules import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+
 # Below this temperature sampling is argmax: dividing logits by ~0 would only overflow.
 _SAMPLING_EPS = 1e-5
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs ceiling
-MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
-MAX_N = 128  # OpenAI's limit on `n`
 
 
 class SamplingParamsError(ValueError):

@@ -139,7 +139,9 @@ class Scheduler:
         # Device slots for adapters: a step never runs more distinct adapters than there are slots.
         self.lora_slots = lora_slots
         self.block_size = cache_config.block_size
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # kept sorted by _rank
         # Siblings (index > 0) of a parallel-sampling request, held until index 0's prompt is
@@ -158,7 +160,9 @@ class Scheduler:
                 f"the prompt has {seq.num_prompt_tokens} tokens, more than max_model_len={cfg.max_model_len}"
             )
         max_tokens = seq.max_tokens
-        max_len = cfg.max_model_len if max_tokens is None else min(seq.num_tokens + max_tokens, cfg.max_model_len)
+        max_len = (
+            cfg.max_model_len if max_tokens is None else min(seq.num_tokens + max_tokens, cfg.max_model_len)
+        )
         if bm.num_blocks_for(max_len) > bm.num_total_blocks:
             raise RequestTooLargeError(
                 f"prompt plus max_tokens ({max_len} tokens) needs {bm.num_blocks_for(max_len)} KV cache "
@@ -310,7 +314,9 @@ class Scheduler:
         self._pending_aborts.clear()
         return aborted
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[int, int]) -> list[Sequence]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[int, int]
+    ) -> list[Sequence]:
         """Advance the scheduled sequences past this step; return those that received a token."""
         bm = self.block_manager
         sampled: list[Sequence] = []
@@ -318,7 +324,9 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:  # finished between schedule and update
                 continue
-            assert seq.num_computed_tokens == item.start_pos, "update_from_output must follow its own schedule()"
+            assert seq.num_computed_tokens == item.start_pos, (
+                "update_from_output must follow its own schedule()"
+            )
             seq.num_computed_tokens += item.num_new_tokens
             bm.cache_full_blocks(seq)
             if item.needs_sample:

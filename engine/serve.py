@@ -32,7 +32,9 @@ def parse_size(text: str) -> int:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The serve options; pass a subparser to mount them under ``python -m engine serve``."""
-    parser = parser or argparse.ArgumentParser(prog="python -m engine serve", description=__doc__.splitlines()[0])
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m engine serve", description=__doc__.splitlines()[0]
+    )
     model = parser.add_argument_group("model")
     model.add_argument("--model-dir", required=True, help="Hugging Face model directory")
     model.add_argument("--served-name", required=True, help="the name clients put in `model`")
@@ -53,7 +55,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve requests that name an adapter")
     lora.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
-    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory; default 4 x max-loras")
+    lora.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory; default 4 x max-loras"
+    )
     lora.add_argument("--max-lora-rank", type=int, default=64)
     redis_opts = parser.add_argument_group("Redis")
     redis_opts.add_argument(
@@ -68,7 +72,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     redis_opts.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     redis_opts.add_argument("--heartbeat-ttl", type=float, default=5.0, help="seconds")
     redis_opts.add_argument("--output-ttl", type=int, default=600, help="seconds an output stream lives")
-    redis_opts.add_argument("--max-held", type=int, default=0, help="requests taken at once; 0: 2 x max-num-seqs")
+    redis_opts.add_argument(
+        "--max-held", type=int, default=0, help="requests taken at once; 0: 2 x max-num-seqs"
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -124,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
     from engine.worker.loop import EngineWorker
     from engine.worker.queue import RequestQueue
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     log = logging.getLogger("engine.serve")
     try:
         config = engine_config_from_args(args)

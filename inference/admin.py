@@ -10,11 +10,11 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.utils.html import format_html, format_html_join
 
+from core.errors import InvalidRequestError
 from inference.forms import AdminAdapterUploadForm
 from inference.models import LoraAdapter, ModelDeployment
 from inference.selectors import deployment_list_enabled, deployment_replicas
 from inference.services.adapters import adapter_delete, adapter_revalidate, adapter_upload
-from tenants.errors import InvalidRequestError
 
 
 def _replica_rows(name: str):
@@ -31,8 +31,15 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
     search_fields = ("name", "model_path")
     readonly_fields = ("replicas", "created_at", "updated_at")
     fields = (
-        "name", "model_path", "max_model_len", "dtype", "engine_settings", "enabled",
-        "replicas", "created_at", "updated_at",
+        "name",
+        "model_path",
+        "max_model_len",
+        "dtype",
+        "engine_settings",
+        "enabled",
+        "replicas",
+        "created_at",
+        "updated_at",
     )
 
     @admin.display(description="live replicas")
@@ -54,8 +61,15 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {}</td></tr>",
             (
                 # format_html escapes its arguments to strings first, so numbers are formatted here.
-                (s.replica_id, s.num_running, s.num_waiting, f"{s.kv_cache_usage:.1%}", f"{s.prefix_cache_hit_rate:.1%}",
-                 s.num_free_blocks, s.num_total_blocks)
+                (
+                    s.replica_id,
+                    s.num_running,
+                    s.num_waiting,
+                    f"{s.kv_cache_usage:.1%}",
+                    f"{s.prefix_cache_hit_rate:.1%}",
+                    s.num_free_blocks,
+                    s.num_total_blocks,
+                )
                 for s in stats
             ),
         )
@@ -78,8 +92,20 @@ class LoraAdapterAdmin(admin.ModelAdmin):
     actions = ("revalidate_selected",)
     upload_template = "admin/inference/loraadapter/upload.html"
     readonly_fields = (
-        "tenant", "name", "base_model", "status", "failure_reason", "rank", "alpha", "target_modules",
-        "size_bytes", "version", "storage_path", "created_by", "created_at", "updated_at",
+        "tenant",
+        "name",
+        "base_model",
+        "status",
+        "failure_reason",
+        "rank",
+        "alpha",
+        "target_modules",
+        "size_bytes",
+        "version",
+        "storage_path",
+        "created_by",
+        "created_at",
+        "updated_at",
     )
     fields = readonly_fields
 

@@ -24,12 +24,13 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from core.errors import AuthenticationError, InvalidRequestError, PlatformError
+from core.request_ids import new_request_id
 from inference import metrics
 from inference.api.base import parse_body_data
 from inference.api.formatting import chat_logprobs, usage_body
 from inference.api.views import ChatCompletionCreateApi
-from inference.services import ChoiceDelta, ChoiceFinished, Generation, chat_plan_create, new_request_id
-from tenants.errors import AuthenticationError, InvalidRequestError, PlatformError
+from inference.services import ChoiceDelta, ChoiceFinished, Generation, chat_plan_create
 from tenants.types import AuthContext
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             return
         # Browsers fail the handshake unless the server picks an offered subprotocol.
         await self.accept(SUBPROTOCOL if SUBPROTOCOL in offered else bearer)
-        await self._authenticate(bearer[len(BEARER_SUBPROTOCOL_PREFIX):])
+        await self._authenticate(bearer[len(BEARER_SUBPROTOCOL_PREFIX) :])
 
     async def disconnect(self, code: int) -> None:
         tasks = list(self.streams.values())
@@ -65,7 +66,9 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             content = json.loads(text_data or bytes_data or b"")
         # RecursionError: nesting deeper than the parser's stack is bad input, not a crash.
         except (ValueError, UnicodeDecodeError, RecursionError):
-            await self._error(None, InvalidRequestError("Messages must be JSON objects.", code="invalid_json"))
+            await self._error(
+                None, InvalidRequestError("Messages must be JSON objects.", code="invalid_json")
+            )
             return
         if not isinstance(content, dict):
             await self._error(None, InvalidRequestError("Messages must be JSON objects."))
@@ -77,7 +80,10 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if kind == "auth":
             await self._authenticate(content.get("api_key"))
         elif self.auth is None:
-            await self._error(content.get("id"), AuthenticationError("Authenticate first: send {\"type\": \"auth\", \"api_key\": ...}."))
+            await self._error(
+                content.get("id"),
+                AuthenticationError('Authenticate first: send {"type": "auth", "api_key": ...}.'),
+            )
         elif kind == "chat":
             await self._start(content.get("id"), content.get("request"))
         elif kind == "cancel":
@@ -85,7 +91,9 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             if task is not None:
                 task.cancel()
         else:
-            await self._error(content.get("id"), InvalidRequestError(f"Unknown message type {kind!r}.", param="type"))
+            await self._error(
+                content.get("id"), InvalidRequestError(f"Unknown message type {kind!r}.", param="type")
+            )
 
     async def _authenticate(self, raw_key: Any) -> None:
         from inference.api.auth import authenticate_key
@@ -104,10 +112,16 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if not isinstance(stream_id, str) or not stream_id:
             await self._error(None, InvalidRequestError("Each chat message needs a string id.", param="id"))
         elif stream_id in self.streams:
-            await self._error(stream_id, InvalidRequestError(f"Stream {stream_id!r} is already running.", param="id"))
+            await self._error(
+                stream_id, InvalidRequestError(f"Stream {stream_id!r} is already running.", param="id")
+            )
         elif len(self.streams) >= MAX_STREAMS_PER_CONNECTION:
-            await self._error(stream_id, InvalidRequestError(
-                f"At most {MAX_STREAMS_PER_CONNECTION} concurrent streams per connection.", param="id"))
+            await self._error(
+                stream_id,
+                InvalidRequestError(
+                    f"At most {MAX_STREAMS_PER_CONNECTION} concurrent streams per connection.", param="id"
+                ),
+            )
         else:
             self.streams[stream_id] = asyncio.create_task(self._run(stream_id, body))
 
@@ -126,12 +140,16 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             data = parse_body_data(body, ChatCompletionCreateApi.InputSerializer)
             data["stream"] = False  # the websocket streams by itself; SSE options do not apply
             data.pop("stream_options", None)
-            plan = await sync_to_async(chat_plan_create)(auth=self.auth, data=data, request_id=new_request_id())
+            plan = await sync_to_async(chat_plan_create)(
+                auth=self.auth, data=data, request_id=new_request_id()
+            )
             generation = Generation(auth=self.auth, plan=plan, started_at=started)
             events = generation.run()
             await anext(events)
         except PlatformError as exc:
-            metrics.record_refused(tenant=self.auth.tenant_slug, model=plan.model if plan else None, code=exc.code)
+            metrics.record_refused(
+                tenant=self.auth.tenant_slug, model=plan.model if plan else None, code=exc.code
+            )
             await self._error(stream_id, exc)
             return
         reasons: dict[int, str] = {}
@@ -146,20 +164,28 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                     reasons[item.index] = item.finish_reason
         except asyncio.CancelledError:
             # run()'s finally has settled by now; the usage is what the tenant is billed.
-            await self._send_quietly({"type": "cancelled", "id": stream_id, "request_id": plan.request_id,
-                                      "usage": usage_body(generation.usage)})
+            await self._send_quietly(
+                {
+                    "type": "cancelled",
+                    "id": stream_id,
+                    "request_id": plan.request_id,
+                    "usage": usage_body(generation.usage),
+                }
+            )
             return
         except PlatformError as exc:
             await self._error(stream_id, exc)
             return
-        await self.send_json({
-            "type": "done",
-            "id": stream_id,
-            "request_id": plan.request_id,
-            "usage": usage_body(generation.usage),
-            "finish_reason": reasons.get(0),
-            "choices": [{"index": i, "finish_reason": r} for i, r in sorted(reasons.items())],
-        })
+        await self.send_json(
+            {
+                "type": "done",
+                "id": stream_id,
+                "request_id": plan.request_id,
+                "usage": usage_body(generation.usage),
+                "finish_reason": reasons.get(0),
+                "choices": [{"index": i, "finish_reason": r} for i, r in sorted(reasons.items())],
+            }
+        )
 
     async def _send_quietly(self, message: dict) -> None:
         try:

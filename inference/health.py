@@ -7,7 +7,7 @@ from django.http import HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tenants.redis_client import get_redis
+from core.redis_client import get_redis
 
 
 @require_GET

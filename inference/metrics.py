@@ -24,9 +24,14 @@ REQUESTS = Counter("pagoda_requests_total", "Generation requests admitted", [*_L
 PROMPT_TOKENS = Counter("pagoda_prompt_tokens_total", "Prompt tokens billed", _LABELS)
 COMPLETION_TOKENS = Counter("pagoda_completion_tokens_total", "Completion tokens billed", _LABELS)
 CACHED_TOKENS = Counter("pagoda_cached_tokens_total", "Prompt tokens served from the prefix cache", _LABELS)
-ERRORS = Counter("pagoda_request_errors_total", "Generation requests that failed or were refused", [*_LABELS, "code"])
+ERRORS = Counter(
+    "pagoda_request_errors_total", "Generation requests that failed or were refused", [*_LABELS, "code"]
+)
 TIME_TO_FIRST_TOKEN = Histogram(
-    "pagoda_time_to_first_token_seconds", "From request arrival to the first token", _LABELS, buckets=_LATENCY_BUCKETS
+    "pagoda_time_to_first_token_seconds",
+    "From request arrival to the first token",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
 )
 INTER_TOKEN_LATENCY = Histogram(
     "pagoda_inter_token_latency_seconds", "Between successive token deliveries", _LABELS, buckets=_ITL_BUCKETS
@@ -34,10 +39,13 @@ INTER_TOKEN_LATENCY = Histogram(
 # Requests naming a LoRA adapter, per adapter. Adapter names reach a label only once resolved to a
 # ready adapter of the caller's tenant, and a tenant keeps at most PAGODA_ADAPTER_MAX_PER_TENANT.
 ADAPTER_REQUESTS = Counter(
-    "pagoda_adapter_requests_total", "Generation requests that used a LoRA adapter", [*_LABELS, "adapter", "status"]
+    "pagoda_adapter_requests_total",
+    "Generation requests that used a LoRA adapter",
+    [*_LABELS, "adapter", "status"],
 )
 ADAPTER_TOKENS = Counter(
-    "pagoda_adapter_tokens_total", "Prompt plus completion tokens of requests that used a LoRA adapter",
+    "pagoda_adapter_tokens_total",
+    "Prompt plus completion tokens of requests that used a LoRA adapter",
     [*_LABELS, "adapter"],
 )
 E2E_LATENCY = Histogram(
@@ -94,13 +102,19 @@ class EngineCollector(Collector):
     def _families() -> dict[str, GaugeMetricFamily]:
         return {
             "replicas": GaugeMetricFamily("pagoda_engine_replicas", "Live engine replicas", labels=["model"]),
-            "running": GaugeMetricFamily("pagoda_engine_running_requests", "Requests running", labels=["model"]),
-            "waiting": GaugeMetricFamily("pagoda_engine_waiting_requests", "Requests waiting", labels=["model"]),
+            "running": GaugeMetricFamily(
+                "pagoda_engine_running_requests", "Requests running", labels=["model"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "pagoda_engine_waiting_requests", "Requests waiting", labels=["model"]
+            ),
             "kv": GaugeMetricFamily(
                 "pagoda_engine_kv_cache_usage", "KV-cache usage, mean over replicas (0..1)", labels=["model"]
             ),
             "hit": GaugeMetricFamily(
-                "pagoda_engine_prefix_cache_hit_rate", "Prefix-cache hit rate, mean over replicas", labels=["model"]
+                "pagoda_engine_prefix_cache_hit_rate",
+                "Prefix-cache hit rate, mean over replicas",
+                labels=["model"],
             ),
             "free": GaugeMetricFamily("pagoda_engine_free_kv_blocks", "Free KV blocks", labels=["model"]),
             "total": GaugeMetricFamily("pagoda_engine_total_kv_blocks", "KV blocks", labels=["model"]),

@@ -93,7 +93,9 @@ class LoraAdapter(models.Model):
 
     class Meta:
         ordering = ["tenant_id", "name"]
-        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="lora_adapter_tenant_name_unique")]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="lora_adapter_tenant_name_unique")
+        ]
 
     def __str__(self) -> str:
         return self.name

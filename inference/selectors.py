@@ -6,10 +6,10 @@ from datetime import datetime
 
 from django.db.models import QuerySet
 
+from core.errors import NotFoundError
 from engine.protocol import ReplicaStats
 from inference.gateway import replica_stats_list
 from inference.models import LoraAdapter, ModelDeployment
-from tenants.errors import NotFoundError
 from tenants.services import tenant_allowed_models
 from tenants.types import AuthContext
 

@@ -94,9 +94,25 @@ def _prefill_attention_kernel(
         pos = start + offs_n
         mask_n = pos < kv_end
         k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table_row, pos, mask_n, offs_d, mask_d, kv_head, stride_btb,
-            stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-            BLOCK_SIZE, UPCAST_DOT,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row,
+            pos,
+            mask_n,
+            offs_d,
+            mask_d,
+            kv_head,
+            stride_btb,
+            stride_kcb,
+            stride_kcs,
+            stride_kch,
+            stride_kcd,
+            stride_vcb,
+            stride_vcs,
+            stride_vch,
+            stride_vcd,
+            BLOCK_SIZE,
+            UPCAST_DOT,
         )
 
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units

@@ -47,7 +47,13 @@ class TenantAdmin(admin.ModelAdmin):
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
     list_display = (
-        "name", "display_prefix", "tenant", "created_by", "created_at", "last_used_at", "expires_at",
+        "name",
+        "display_prefix",
+        "tenant",
+        "created_by",
+        "created_at",
+        "last_used_at",
+        "expires_at",
         "revoked_at",
     )
     list_filter = ("tenant", ("revoked_at", admin.EmptyFieldListFilter))
@@ -62,8 +68,15 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def get_fields(self, request, obj=None):
         if obj is None:
             return ("tenant", *self._editable)
-        return ("tenant", "display_prefix", *self._editable, "created_by", "created_at", "last_used_at",
-                "revoked_at")
+        return (
+            "tenant",
+            "display_prefix",
+            *self._editable,
+            "created_by",
+            "created_at",
+            "last_used_at",
+            "revoked_at",
+        )
 
     def get_readonly_fields(self, request, obj=None):
         if obj is None:
@@ -151,15 +164,32 @@ def bar_chart(rows: list[dict], *, value: str) -> dict:
                 "label": f"{row['day'].isoformat()}: {row['requests']} requests, {row['tokens']} tokens",
             }
         )
-    return {"bars": bars, "width": CHART_WIDTH, "height": CHART_HEIGHT, "peak": peak, "value": value,
-            "first": rows[0]["day"] if rows else None, "last": rows[-1]["day"] if rows else None}
+    return {
+        "bars": bars,
+        "width": CHART_WIDTH,
+        "height": CHART_HEIGHT,
+        "peak": peak,
+        "value": value,
+        "first": rows[0]["day"] if rows else None,
+        "last": rows[-1]["day"] if rows else None,
+    }
 
 
 @admin.register(UsageRecord)
 class UsageRecordAdmin(ReadOnlyAdmin):
     list_display = (
-        "request_id", "created_at", "tenant", "api_key", "model", "adapter", "prompt_tokens",
-        "completion_tokens", "cached_tokens", "time_to_first_token_ms", "latency_ms", "status",
+        "request_id",
+        "created_at",
+        "tenant",
+        "api_key",
+        "model",
+        "adapter",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "time_to_first_token_ms",
+        "latency_ms",
+        "status",
     )
     list_filter = ("tenant", "model", "status", "created_at")
     date_hierarchy = "created_at"
@@ -181,8 +211,16 @@ class UsageRecordAdmin(ReadOnlyAdmin):
 @admin.register(UsageDaily)
 class UsageDailyAdmin(ReadOnlyAdmin):
     list_display = (
-        "day", "tenant", "api_key", "model", "adapter", "requests", "errors", "prompt_tokens",
-        "completion_tokens", "cached_tokens",
+        "day",
+        "tenant",
+        "api_key",
+        "model",
+        "adapter",
+        "requests",
+        "errors",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
     )
     list_filter = ("tenant", "model", "day")
     date_hierarchy = "day"

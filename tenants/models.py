@@ -54,7 +54,9 @@ class Membership(models.Model):
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["user", "tenant"], name="membership_user_tenant_unique")]
+        constraints = [
+            models.UniqueConstraint(fields=["user", "tenant"], name="membership_user_tenant_unique")
+        ]
 
     def __str__(self) -> str:
         return f"{self.user_id}@{self.tenant_id} ({self.role})"

@@ -10,7 +10,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from tenants.errors import NotFoundError
+from core.errors import NotFoundError
 from tenants.models import ApiKey, Membership, Tenant, UsageRecord
 
 GROUP_BY_CHOICES = ("day", "model", "key")
@@ -39,7 +39,9 @@ def tenant_get_for_user(*, user, slug: str) -> Tenant:
 
 
 def api_key_list_for_tenant(*, tenant_id: int) -> QuerySet[ApiKey]:
-    return ApiKey.objects.filter(tenant_id=tenant_id).select_related("created_by").order_by("-created_at", "-id")
+    return (
+        ApiKey.objects.filter(tenant_id=tenant_id).select_related("created_by").order_by("-created_at", "-id")
+    )
 
 
 def api_key_get_for_user(*, user, api_key_id: int) -> ApiKey:

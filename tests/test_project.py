@@ -68,7 +68,11 @@ def test_database_url_parses_postgres_and_rejects_unknown_schemes():
     db = database_from_url("postgres://u:p%40ss@db.example:5433/pagoda?sslmode=require")
     assert db["ENGINE"] == "django.db.backends.postgresql"
     assert (db["NAME"], db["USER"], db["PASSWORD"], db["HOST"], db["PORT"]) == (
-        "pagoda", "u", "p@ss", "db.example", "5433",
+        "pagoda",
+        "u",
+        "p@ss",
+        "db.example",
+        "5433",
     )
     assert db["OPTIONS"] == {"sslmode": "require"}
     with pytest.raises(ImproperlyConfiguredEnv, match="not supported"):
@@ -96,9 +100,7 @@ def test_production_refuses_the_development_secret_key():
 
 
 def test_production_starts_with_real_secrets():
-    result = _settings_import(
-        {"DEBUG": "false", "SECRET_KEY": "x" * 50, "API_KEY_PEPPER": "y" * 32}
-    )
+    result = _settings_import({"DEBUG": "false", "SECRET_KEY": "x" * 50, "API_KEY_PEPPER": "y" * 32})
     assert result.returncode == 0, result.stderr
 
 
@@ -129,9 +131,13 @@ def test_redis_url_with_another_scheme_is_refused():
 _ZERO_CONFIG_PROBE = """
 import django
 django.setup()
+from pathlib import Path
 from django.conf import settings
 from django.db import connection
 import redis
+assert not Path(settings.VAR_DIR, "redis.sock").exists(), "importing the settings started redis"
+from config.embedded_redis import start_if_configured
+start_if_configured()
 client = redis.Redis.from_url(settings.REDIS_URL)
 client.set("probe", "ok")
 connection.ensure_connection()
@@ -141,11 +147,21 @@ print(connection.vendor, settings.REDIS_URL, client.get("probe").decode(), clien
 
 def test_zero_config_uses_sqlite_and_an_embedded_redis_server():
     var_dir = Path(tempfile.mkdtemp(prefix="pz-"))  # short: a unix socket path has a length limit
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "DEBUG": "true", "PAGODA_VAR_DIR": str(var_dir),
-           "DJANGO_SETTINGS_MODULE": "config.settings"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": "/tmp",
+        "DEBUG": "true",
+        "PAGODA_VAR_DIR": str(var_dir),
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+    }
     try:
         result = subprocess.run(
-            [sys.executable, "-c", _ZERO_CONFIG_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", _ZERO_CONFIG_PROBE],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr
         vendor, redis_url, probe, _version = result.stdout.split()
@@ -186,7 +202,11 @@ def test_health_and_ready_answer_when_database_and_redis_are_up():
     assert Client().get("/health").json() == {"status": "ok"}
     ready = Client().get("/ready")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready", "checks": {"database": "ok", "redis": "ok", "engines": "ok"}, "models": {}}
+    assert ready.json() == {
+        "status": "ready",
+        "checks": {"database": "ok", "redis": "ok", "engines": "ok"},
+        "models": {},
+    }
 
 
 @pytest.mark.django_db
@@ -240,7 +260,9 @@ def test_metrics_count_requests_and_latencies_by_route_not_by_raw_path():
     assert response["Content-Type"].startswith("text/plain; version=")
     text = response.content.decode()
     assert (requests("/health", "200"), timed("/health"), requests("/v1/usage", "401")) == (
-        before[0] + 2, before[1] + 2, before[2] + 1
+        before[0] + 2,
+        before[1] + 2,
+        before[2] + 1,
     )
     assert 'pagoda_http_requests_total{method="GET",route="/health",status="200"}' in text
     assert 'pagoda_http_request_duration_seconds_bucket{le="0.005",method="GET",route="/health"}' in text

@@ -18,9 +18,9 @@ import torch
 
 from engine.lora.errors import LoRALoadError
 from engine.models.config import ModelConfig
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from engine.rules import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from engine.rules import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
+from engine.rules import lora_unsupported_options
 
 # The fused linears of engine.models.llama and the PEFT target modules each one stands for, in the
 # order their output columns are laid out.
@@ -76,14 +76,7 @@ def read_adapter_config(root: Path) -> dict:
         raise LoRALoadError(f"{root}: {CONFIG_FILE} is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRALoadError(f"{root}: peft_type {config.get('peft_type')!r} is not LORA")
-    unsupported = {
-        "use_dora": bool(config.get("use_dora")),
-        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
-        "modules_to_save": bool(config.get("modules_to_save")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
-        "bias": config.get("bias", "none") != "none",
-    }
-    named = [k for k, v in unsupported.items() if v]
+    named = lora_unsupported_options(config)
     if named:
         raise LoRALoadError(f"{root}: unsupported adapter options: {', '.join(named)}")
     alpha = config.get("lora_alpha", 8)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
+from engine.rules import model_context_length
 
 # Architectures served by engine.models.llama; all share the Llama decoder layout.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -45,11 +46,10 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        # A sliding window at least as long as the served context never slides, so the cap keeps
-        # full attention exact for Mistral-style checkpoints.
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+        # The rule the web tier applies too (engine.rules.model_context_length).
+        return model_context_length(
+            {"max_position_embeddings": self.max_position_embeddings, "sliding_window": self.sliding_window}
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -101,7 +101,11 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> tor
 
 
 def load_model(
-    model_dir: str | Path, backend: AttentionBackend, *, dtype: str = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    backend: AttentionBackend,
+    *,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
     """Build the model from config.json on ``device`` and fill it from the safetensors files."""
     root = Path(model_dir)

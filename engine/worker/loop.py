@@ -68,7 +68,9 @@ class EngineWorker:
         self._flush()
         self._heartbeat()
         beats_stop = threading.Event()
-        beats = threading.Thread(target=self._beat_between_steps, args=(beats_stop,), name="heartbeat", daemon=True)
+        beats = threading.Thread(
+            target=self._beat_between_steps, args=(beats_stop,), name="heartbeat", daemon=True
+        )
         beats.start()
         now = time.monotonic()
         next_touch = now + self.settings.touch_interval_s
@@ -181,7 +183,9 @@ class EngineWorker:
             # Running it again would stream its text a second time to a reader that already has part.
             event = Event.error("the engine replica serving this request stopped", "engine_failed", usage)
         elif deliveries > self.settings.max_deliveries:
-            event = Event.error(f"the request failed on {deliveries - 1} engine replicas", "engine_failed", usage)
+            event = Event.error(
+                f"the request failed on {deliveries - 1} engine replicas", "engine_failed", usage
+            )
         else:
             return False
         self._events.append((request.request_id, event))

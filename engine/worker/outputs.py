@@ -43,7 +43,8 @@ class HeldRequest:
     def aborted_event(self) -> Event:
         """The finished event for a cancel: indices that had already ended keep their own reason."""
         outputs = [
-            self.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason="abort") for i in range(self.n)
+            self.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason="abort")
+            for i in range(self.n)
         ]
         return Event.finished(outputs, self.usage())
 

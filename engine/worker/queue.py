@@ -85,7 +85,9 @@ class RequestQueue:
 
     def read_own_pending(self, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
         """Entries still held under this replica id by an earlier process of the same id."""
-        entries = _entries(self.client.xreadgroup(CONSUMER_GROUP, self.replica_id, {self.stream: "0"}, count=count))
+        entries = _entries(
+            self.client.xreadgroup(CONSUMER_GROUP, self.replica_id, {self.stream: "0"}, count=count)
+        )
         return self._with_deliveries(entries)
 
     def autoclaim(self, min_idle_ms: int, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
@@ -118,7 +120,13 @@ class RequestQueue:
         """Hand entries back unanswered, claimable by any replica at once."""
         if message_ids:
             self.client.xclaim(
-                self.stream, CONSUMER_GROUP, self.replica_id, 0, message_ids, idle=_RELEASED_IDLE_MS, justid=True
+                self.stream,
+                CONSUMER_GROUP,
+                self.replica_id,
+                0,
+                message_ids,
+                idle=_RELEASED_IDLE_MS,
+                justid=True,
             )
 
     def ack(self, message_ids: list[bytes]) -> None:
@@ -130,7 +138,9 @@ class RequestQueue:
 
     def leave_group(self) -> None:
         """Remove this consumer on a clean exit; only when it holds nothing, so nothing is dropped."""
-        rows = self.client.xpending_range(self.stream, CONSUMER_GROUP, "-", "+", 1, consumername=self.replica_id)
+        rows = self.client.xpending_range(
+            self.stream, CONSUMER_GROUP, "-", "+", 1, consumername=self.replica_id
+        )
         if not rows:
             self.client.xgroup_delconsumer(self.stream, CONSUMER_GROUP, self.replica_id)
 
@@ -154,7 +164,9 @@ class RequestQueue:
         pipe.execute()
 
     def read_output(self, request_id: str) -> list[Event]:
-        return [Event.decode(fields) for _, fields in self.client.xrange(output_stream(self.prefix, request_id))]
+        return [
+            Event.decode(fields) for _, fields in self.client.xrange(output_stream(self.prefix, request_id))
+        ]
 
     # --- cancels --------------------------------------------------------------------------------
 
@@ -178,7 +190,11 @@ class RequestQueue:
     def heartbeat(self, stats: ReplicaStats) -> None:
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(replica_stats_key(self.prefix, self.model, self.replica_id), stats.encode(), px=self.heartbeat_ttl_ms)
+        pipe.set(
+            replica_stats_key(self.prefix, self.model, self.replica_id),
+            stats.encode(),
+            px=self.heartbeat_ttl_ms,
+        )
         pipe.zadd(replicas_key(self.prefix, self.model), {self.replica_id: now})
         # Replicas that vanished without a clean exit leave a member behind; keep the set bounded.
         pipe.zremrangebyscore(replicas_key(self.prefix, self.model), "-inf", now - 3600)

@@ -13,13 +13,14 @@ from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers
 
+from core.api.exceptions import error_response, to_platform_error
+from core.errors import InvalidRequestError, MethodNotAllowedError, PlatformError
+from core.request_ids import new_request_id
 from inference import metrics
 from inference.api.auth import authenticate_header
 from inference.api.fields import refuse_unsupported
 from inference.api.sse import sse_response
-from inference.services import Generation, GenerationPlan, collect_choices, new_request_id
-from tenants.api.exceptions import error_response, to_platform_error
-from tenants.errors import InvalidRequestError, MethodNotAllowedError, PlatformError
+from inference.services import Generation, GenerationPlan, collect_choices
 
 
 def error_json(exc: Exception, request_id: str) -> JsonResponse:

@@ -7,9 +7,7 @@ from typing import Any
 from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
 
-MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 20
-MAX_N = 128
+from engine.rules import MAX_N, MAX_STOP_STRINGS
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
 UNSUPPORTED_FIELDS = frozenset(
@@ -128,7 +126,11 @@ def _text(message: dict, i: int) -> str:
     if isinstance(content, list) and content:
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise serializers.ValidationError(f"messages[{i}].content: only text parts are supported.")
             parts.append(part["text"])
         return "".join(parts)

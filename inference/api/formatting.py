@@ -106,7 +106,9 @@ def text_completion_body(
     }
 
 
-def chunk(plan: GenerationPlan, choices: list[dict[str, Any]], *, usage: GenerationUsage | None = None) -> dict:
+def chunk(
+    plan: GenerationPlan, choices: list[dict[str, Any]], *, usage: GenerationUsage | None = None
+) -> dict:
     """One streamed chunk. With include_usage every chunk carries `usage` (null but the last)."""
     body: dict[str, Any] = {
         "id": chat_id(plan) if plan.kind == "chat" else completion_id(plan),

@@ -14,9 +14,9 @@ from typing import Any
 
 from django.http import StreamingHttpResponse
 
+from core.errors import PlatformError
 from inference.api import formatting
 from inference.services import ChoiceDelta, ChoiceFinished, Generation
-from tenants.errors import PlatformError
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -53,8 +53,12 @@ async def sse_stream(generation: Generation, events: AsyncIterator) -> AsyncIter
     try:
         if plan.kind == "chat":
             for index in range(plan.n * len(plan.prompts)):
-                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}
+                role = {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield _data(formatting.chunk(plan, [role]))
         async for item in events:
             if isinstance(item, ChoiceDelta) and not item.text and not item.token_ids:
@@ -70,7 +74,9 @@ async def sse_stream(generation: Generation, events: AsyncIterator) -> AsyncIter
     yield DONE
 
 
-def sse_response(generation: Generation, events: AsyncIterator, headers: dict[str, str]) -> StreamingHttpResponse:
+def sse_response(
+    generation: Generation, events: AsyncIterator, headers: dict[str, str]
+) -> StreamingHttpResponse:
     response = StreamingHttpResponse(sse_stream(generation, events), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # proxies must pass each event on at once

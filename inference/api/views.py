@@ -8,13 +8,15 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse
 from rest_framework import serializers
 
+from core.errors import PlatformError
+from core.request_ids import new_request_id
+from engine.rules import MAX_LOGPROBS
 from inference.api import formatting
 from inference.api.auth import authenticate_header
 from inference.api.base import ApiView, GenerationApi, error_json
-from inference.api.fields import MAX_LOGPROBS, MessagesField, PromptField, SamplingInputSerializer
+from inference.api.fields import MessagesField, PromptField, SamplingInputSerializer
 from inference.selectors import adapter_list_servable, deployment_list_for_caller
-from inference.services import chat_plan_create, completion_plan_create, new_request_id
-from tenants.errors import PlatformError
+from inference.services import chat_plan_create, completion_plan_create
 
 
 class ModelListApi(ApiView):
@@ -63,7 +65,9 @@ class ChatCompletionCreateApi(GenerationApi):
         def validate(self, attrs: dict) -> dict:
             attrs = super().validate(attrs)
             if attrs.get("top_logprobs") is not None and not attrs.get("logprobs"):
-                raise serializers.ValidationError({"top_logprobs": "top_logprobs requires logprobs to be true."})
+                raise serializers.ValidationError(
+                    {"top_logprobs": "top_logprobs requires logprobs to be true."}
+                )
             return attrs
 
     def plan_create(self, **kwargs: Any):
@@ -76,7 +80,9 @@ class ChatCompletionCreateApi(GenerationApi):
 class CompletionCreateApi(GenerationApi):
     class InputSerializer(SamplingInputSerializer):
         prompt = PromptField()
-        logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_LOGPROBS)
+        logprobs = serializers.IntegerField(
+            required=False, allow_null=True, min_value=0, max_value=MAX_LOGPROBS
+        )
         echo = serializers.BooleanField(required=False, allow_null=True)
         best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1)
 

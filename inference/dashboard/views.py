@@ -8,11 +8,11 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from core.errors import InvalidRequestError
 from inference.forms import AdapterUploadForm
 from inference.selectors import adapter_get_for_tenant, adapter_list_for_tenant, deployment_names_enabled
 from inference.services.adapters import adapter_delete, adapter_upload
 from tenants.dashboard.access import TenantAccess, tenant_page
-from tenants.errors import InvalidRequestError
 
 # Form fields the upload service's errors are shown under (its `param`); others go on top.
 _FORM_FIELDS = {"name": "name", "base_model": "base_model", "file": "files"}

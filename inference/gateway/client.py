@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from django.conf import settings
 
+from core.redis_client import get_async_redis
 from engine.protocol import (
     Event,
     GenerateRequest,
@@ -15,7 +16,6 @@ from engine.protocol import (
     output_stream,
     requests_stream,
 )
-from tenants.redis_client import get_async_redis
 
 # Cancel streams are read by every replica from where it joined; old entries only cost memory.
 CANCEL_STREAM_MAXLEN = 10_000

@@ -7,8 +7,8 @@ import time
 
 from django.conf import settings
 
+from core.redis_client import get_async_redis, get_redis
 from engine.protocol import ProtocolError, ReplicaStats, replica_stats_key, replicas_key
-from tenants.redis_client import get_async_redis, get_redis
 
 
 def _cutoff() -> float:

@@ -10,7 +10,7 @@ from inference.services.generation import (
     GenerationUsage,
     collect_choices,
 )
-from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create, new_request_id
+from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
 
 __all__ = [
     "ChoiceDelta",
@@ -24,5 +24,4 @@ __all__ = [
     "completion_plan_create",
     "deployment_register",
     "model_context_limit",
-    "new_request_id",
 ]

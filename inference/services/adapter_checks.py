@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.rules import LORA_ATTENTION_MODULES as ATTENTION_MODULES
+from engine.rules import LORA_TARGET_MODULES as SUPPORTED_MODULES
+from engine.rules import lora_unsupported_options
 from inference.services.adapter_files import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -18,9 +21,6 @@ from inference.services.adapter_files import (
     read_safetensors_header,
 )
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # PEFT's names once the adapter name is stripped on save, e.g.
 # base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
@@ -28,7 +28,6 @@ _TENSOR = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
     r"(?P<module>[A-Za-z_]+)\.lora_(?P<ab>[AB])\.weight$"
 )
-_FEATURES = ("use_dora", "fan_in_fan_out")
 
 
 class AdapterInvalid(Exception):
@@ -144,18 +143,12 @@ def adapter_spec(*, config: dict[str, Any], max_rank: int) -> AdapterSpec:
             f"target_modules lists {', '.join(unsupported)}, which cannot carry an adapter here; "
             f"adapters may target {', '.join(SUPPORTED_MODULES)}."
         )
-    for feature in _FEATURES:
-        if config.get(feature):
+    for key in lora_unsupported_options(config):
+        if key == "bias":
             raise AdapterInvalid(
-                f"{CONFIG_NAME} sets {feature}, which is not supported. Train a plain LoRA adapter."
+                f'{CONFIG_NAME} sets bias={config["bias"]!r}; only bias "none" is supported.'
             )
-    if config.get("bias", "none") != "none":
-        raise AdapterInvalid(f'{CONFIG_NAME} sets bias={config["bias"]!r}; only bias "none" is supported.')
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_pattern", "target_parameters"):
-        if config.get(key):
-            raise AdapterInvalid(
-                f"{CONFIG_NAME} sets {key}, which is not supported. Train a plain LoRA adapter."
-            )
+        raise AdapterInvalid(f"{CONFIG_NAME} sets {key}, which is not supported. Train a plain LoRA adapter.")
     return AdapterSpec(
         rank=rank, alpha=float(alpha), target_modules=sorted(set(targets), key=SUPPORTED_MODULES.index)
     )

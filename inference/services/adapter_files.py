@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
 
-from tenants.errors import InvalidRequestError
+from core.errors import InvalidRequestError
+from engine.rules import ADAPTER_CONFIG_FILE as CONFIG_NAME
+from engine.rules import ADAPTER_WEIGHTS_FILE as WEIGHTS_NAME
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 # Loading any of these runs pickle, which executes code chosen by whoever wrote the file.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz")
 _CHUNK = 1024 * 1024

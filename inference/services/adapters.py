@@ -20,11 +20,11 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from core.errors import InvalidRequestError
 from inference.models import ADAPTER_NAME_VALIDATOR, LoraAdapter, ModelDeployment
 from inference.selectors import adapter_list_unvalidated, adapter_not_found
 from inference.services.adapter_checks import AdapterInvalid, adapter_check
 from inference.services.adapter_files import Upload, stage_upload
-from tenants.errors import InvalidRequestError
 from tenants.models import Tenant
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,9 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
+from core.errors import InvalidRequestError
+from engine.rules import model_context_length
 from inference.models import ModelDeployment
-from tenants.errors import InvalidRequestError
 
 
 class ModelDirectoryError(InvalidRequestError):
@@ -21,8 +22,8 @@ class ModelDirectoryError(InvalidRequestError):
 def model_context_limit(*, model_path: Path) -> int:
     """The longest context the engine will accept for this checkpoint, read from its config.json.
 
-    Mirrors the engine's own rule (max_position_embeddings, capped by an active sliding window), so a
-    deployment registered here never asks the engine for more than it serves.
+    The engine's own rule (engine.rules), so a deployment registered here never asks the engine for
+    more than it serves.
     """
     if not model_path.is_dir():
         raise ModelDirectoryError(f"model directory {str(model_path)!r} does not exist")
@@ -39,16 +40,9 @@ def model_context_limit(*, model_path: Path) -> int:
     if not isinstance(raw, dict):
         raise ModelDirectoryError(f"{config_path} must hold a JSON object")
     try:
-        limit = int(raw.get("max_position_embeddings", 2048))
-        window = raw.get("sliding_window")
-        # Qwen2 checkpoints carry a window they do not use unless use_sliding_window is set.
-        if window is not None and (raw.get("model_type") != "qwen2" or raw.get("use_sliding_window")):
-            limit = min(limit, int(window))
-    except (TypeError, ValueError) as exc:
-        raise ModelDirectoryError(f"{config_path}: malformed context length ({exc})") from exc
-    if limit < 1:
-        raise ModelDirectoryError(f"{config_path}: max_position_embeddings must be positive, got {limit}")
-    return limit
+        return model_context_length(raw)
+    except ValueError as exc:
+        raise ModelDirectoryError(f"{config_path}: {exc}") from exc
 
 
 @transaction.atomic

@@ -20,11 +20,11 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.db import connection
 
+from core.errors import InvalidRequestError, PlatformError, ServiceUnavailableError
 from engine.protocol import Event, GenerateRequest
 from inference import metrics
 from inference.gateway import EngineGateway, get_gateway, live_replica_ids_async, replica_is_live_async
 from inference.services.plans import GenerationPlan
-from tenants.errors import InvalidRequestError, PlatformError, ServiceUnavailableError
 from tenants.services import admission_reserve, admission_settle, usage_record_create
 from tenants.types import AuthContext, Reservation
 

@@ -4,15 +4,14 @@ engine's sampling parameters, and the token counts admission reserves."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
 from engine.protocol import LoRARef
 from inference import tokenization
 from inference.models import LoraAdapter, ModelDeployment
 from inference.selectors import adapter_get_servable, deployment_get_enabled
-from tenants.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
 from tenants.types import AuthContext
 
 # Body fields copied to the engine's sampling parameters as they are (None: the engine default).
@@ -29,10 +28,6 @@ _SAMPLING_FIELDS = (
     "min_tokens",
 )
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 @dataclass(slots=True)
@@ -81,7 +76,9 @@ class _Target:
     def plan_fields(self) -> dict[str, Any]:
         deployment, adapter = self.deployment, self.adapter
         fields: dict[str, Any] = {
-            "model": deployment.name, "model_path": deployment.model_path, "max_model_len": deployment.max_model_len,
+            "model": deployment.name,
+            "model_path": deployment.model_path,
+            "max_model_len": deployment.max_model_len,
         }
         if adapter is not None:
             fields["adapter"] = adapter.name
@@ -143,7 +140,11 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
     # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
     max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
     _check_context(
-        deployment=deployment, prompt_len=len(prompt), max_tokens=max_tokens, what="messages", param="messages"
+        deployment=deployment,
+        prompt_len=len(prompt),
+        max_tokens=max_tokens,
+        what="messages",
+        param="messages",
     )
     n = data.get("n") or 1
     logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
@@ -177,7 +178,11 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
     max_tokens = data.get("max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
     for prompt in prompts:
         _check_context(
-            deployment=deployment, prompt_len=len(prompt), max_tokens=max_tokens, what="prompt", param="prompt"
+            deployment=deployment,
+            prompt_len=len(prompt),
+            max_tokens=max_tokens,
+            what="prompt",
+            param="prompt",
         )
     n = data.get("n") or 1
     logprobs = data.get("logprobs")

@@ -9,8 +9,8 @@ from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
 from rest_framework.views import APIView
 
+from core.errors import PlatformError
 from tenants.authentication import ApiKeyAuthentication
-from tenants.errors import PlatformError
 from tenants.services import request_admit
 
 

@@ -1,18 +1,15 @@
-"""GET /v1/usage and the /v1 catch-all."""
+"""GET /v1/usage."""
 
 from __future__ import annotations
 
 from datetime import date, timedelta
 
-from django.http import JsonResponse
 from django.utils import timezone
-from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers
 from rest_framework.response import Response
 
+from core.errors import InvalidRequestError
 from tenants.api.base import StrictSerializer, TenantApiView
-from tenants.api.exceptions import error_response
-from tenants.errors import InvalidRequestError, NotFoundError
 from tenants.selectors import GROUP_BY_CHOICES, usage_summary
 
 MAX_RANGE_DAYS = 366
@@ -85,11 +82,3 @@ class UsageListApi(TenantApiView):
                 "data": self.OutputSerializer(buckets, many=True).data,
             }
         )
-
-
-@csrf_exempt
-def v1_not_found(request, *args, **kwargs) -> JsonResponse:
-    """Unknown /v1 routes answer in the API's error shape, never with an HTML page."""
-    return error_response(
-        NotFoundError(f"Invalid URL ({request.method} {request.path}).", code="unknown_url")
-    )

@@ -14,7 +14,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 
-from tenants import errors
+from core import errors
 from tenants.models import Membership, Tenant
 from tenants.selectors import membership_get, tenant_get_for_user
 from tenants.services.tenants import KEY_MANAGER_ROLES

@@ -10,10 +10,10 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from core.errors import NotFoundError
 from tenants.dashboard.access import TenantAccess, memberships_for_user, tenant_page
 from tenants.dashboard.forms import ApiKeyCreateForm
 from tenants.dashboard.usage import PERIOD_CHOICES, period_days, usage_report
-from tenants.errors import NotFoundError
 from tenants.models import ApiKey
 from tenants.selectors import api_key_get_for_user, api_key_list_for_tenant, quota_status, tenant_get_for_user
 from tenants.services import api_key_create_for_member, api_key_revoke_for_member
@@ -99,7 +99,10 @@ def key_create(request: HttpRequest, access: TenantAccess) -> HttpResponse:
     if not form.is_valid():
         return _keys_page(request, access, form, status=400)
     api_key, secret = api_key_create_for_member(
-        user=request.user, tenant_id=access.tenant.pk, name=form.cleaned_data["name"], expires_at=form.expires_at()
+        user=request.user,
+        tenant_id=access.tenant.pk,
+        name=form.cleaned_data["name"],
+        expires_at=form.expires_at(),
     )
     # The secret exists only in this response: it must not be kept by any cache or the back button.
     response = render(

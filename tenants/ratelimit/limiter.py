@@ -14,14 +14,22 @@ from pathlib import Path
 from django.conf import settings
 from redis.commands.core import Script
 
-from tenants.errors import InvalidRequestError, QuotaExceededError, RateLimitError
-from tenants.redis_client import get_redis, rkey
+from core.errors import InvalidRequestError, QuotaExceededError, RateLimitError
+from core.redis_client import get_redis, rkey
 from tenants.types import AuthContext
 
 WINDOW_SECONDS = 60
 _HERE = Path(__file__).resolve().parent
 
-OK, RATE_LIMITED, TOO_MANY_CONCURRENT, QUOTA_EXCEEDED, QUOTA_UNSEEDED, DUPLICATE, TOO_LARGE = 1, 0, 2, 3, 4, 5, 6
+OK, RATE_LIMITED, TOO_MANY_CONCURRENT, QUOTA_EXCEEDED, QUOTA_UNSEEDED, DUPLICATE, TOO_LARGE = (
+    1,
+    0,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
 
 
 @functools.cache
@@ -60,8 +68,13 @@ class Keys:
         key_log, key_amt, key_sum = self.tokens("key", self.api_key_id)
         tenant_log, tenant_amt, tenant_sum = self.tokens("tenant", self.tenant_id)
         return [
-            self.reservation(request_id), key_amt, key_sum, tenant_amt, tenant_sum,
-            self.in_flight(), self.quota(period),
+            self.reservation(request_id),
+            key_amt,
+            key_sum,
+            tenant_amt,
+            tenant_sum,
+            self.in_flight(),
+            self.quota(period),
         ]
 
     def in_flight(self) -> str:
@@ -122,9 +135,14 @@ def admit(
     limits = auth.tenant_limits
     keys = Keys(tenant_id=auth.tenant_id, api_key_id=auth.api_key_id)
     args = [
-        WINDOW_SECONDS, request_id, 1, tokens,
-        _limit(auth.key_requests_per_minute), _limit(limits.requests_per_minute),
-        _limit(auth.key_tokens_per_minute), _limit(limits.tokens_per_minute),
+        WINDOW_SECONDS,
+        request_id,
+        1,
+        tokens,
+        _limit(auth.key_requests_per_minute),
+        _limit(limits.requests_per_minute),
+        _limit(auth.key_tokens_per_minute),
+        _limit(limits.tokens_per_minute),
         _limit(limits.max_concurrent_requests) if take_slot else -1,
         _limit(limits.monthly_token_quota) if charge_quota else -1,
         40 * 24 * 3600,  # a month's counter outlives the month, then goes

@@ -10,7 +10,7 @@ import uuid
 
 from django.utils import timezone
 
-from tenants.errors import InvalidRequestError, model_not_found
+from core.errors import InvalidRequestError, model_not_found
 from tenants.ratelimit import limiter
 from tenants.selectors import quota_used_this_month
 from tenants.types import AuthContext, Reservation

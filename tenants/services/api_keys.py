@@ -24,9 +24,9 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from tenants.errors import AuthenticationError, PermissionDeniedError
+from core.errors import AuthenticationError, PermissionDeniedError
+from core.redis_client import get_redis, rkey
 from tenants.models import ApiKey, Tenant, TenantLimits
-from tenants.redis_client import get_redis, rkey
 from tenants.types import AuthContext, TenantLimitValues
 
 _KEY_RE = re.compile(r"^sk-([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")

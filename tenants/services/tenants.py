@@ -6,7 +6,7 @@ from datetime import datetime
 
 from django.db import transaction
 
-from tenants.errors import PermissionDeniedError
+from core.errors import PermissionDeniedError
 from tenants.models import ApiKey, Membership, Tenant, TenantLimits
 from tenants.selectors import api_key_get_for_user, membership_get
 from tenants.services.api_keys import api_key_create, api_key_revoke, auth_cache_invalidate

@@ -102,7 +102,9 @@ def daphne_server(*, log_path: Path, timeout: float = 90.0) -> Iterator[str]:
             try:
                 wait_for_http(base_url + "/health", timeout=timeout, process=process)
             except Exception as exc:
-                raise RuntimeError(f"{exc}\n--- daphne log ---\n{log_path.read_text(errors='replace')}") from exc
+                raise RuntimeError(
+                    f"{exc}\n--- daphne log ---\n{log_path.read_text(errors='replace')}"
+                ) from exc
             yield base_url
         finally:
             _stop(process)
@@ -114,7 +116,9 @@ def chromium(*, width: int = 1280, height: int = 900) -> Iterator:
     from selenium.webdriver.chrome.service import Service
 
     if CHROMIUM is None or CHROMEDRIVER is None:
-        raise RuntimeError("headless Chromium and chromedriver are required (apt-get install chromium chromium-driver)")
+        raise RuntimeError(
+            "headless Chromium and chromedriver are required (apt-get install chromium chromium-driver)"
+        )
     profile = tempfile.mkdtemp(prefix="pagoda-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM

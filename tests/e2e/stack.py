@@ -22,8 +22,8 @@ from typing import Any
 
 from django.conf import settings
 
+from core.redis_client import get_redis
 from engine.protocol import CONSUMER_GROUP, ReplicaStats, replica_stats_key, requests_stream
-from tenants.redis_client import get_redis
 from tests.e2e.browser import ROOT, free_port, server_env, wait_for_http
 
 STARTUP_TIMEOUT_S = 180.0

@@ -83,9 +83,16 @@ def test_owner_creates_sees_secret_once_and_revokes_a_key_in_the_browser(tmp_pat
             name: driver.find_element(By.CSS_SELECTOR, f"#{name} .stat-value").text
             for name in ("limit-rpm", "limit-tpm", "limit-concurrency", "active-keys")
         }
-        assert limits == {"limit-rpm": "600", "limit-tpm": "90,000", "limit-concurrency": "8", "active-keys": "1"}
+        assert limits == {
+            "limit-rpm": "600",
+            "limit-tpm": "90,000",
+            "limit-concurrency": "8",
+            "active-keys": "1",
+        }
         # Seeded rows before the 1st of this month do not count against it.
-        assert driver.find_element(By.ID, "quota-remaining").text == f"{quota_status(tenant=tenant).remaining:,}"
+        assert (
+            driver.find_element(By.ID, "quota-remaining").text == f"{quota_status(tenant=tenant).remaining:,}"
+        )
         screenshot(driver, "dashboard-overview")
 
         driver.find_element(By.ID, "nav-usage").click()

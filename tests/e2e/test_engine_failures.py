@@ -23,11 +23,11 @@ import pytest
 from django.conf import settings
 from django.db.models import F, Sum
 
+from core.redis_client import get_redis
 from engine.protocol import Event, output_stream
 from inference.models import ModelDeployment
 from tenants.models import Tenant, UsageRecord
 from tenants.ratelimit import limiter
-from tenants.redis_client import get_redis
 from tenants.services import api_key_create, quota_period, tenant_create
 from tests.e2e.stack import ServingStack, serving_stack
 

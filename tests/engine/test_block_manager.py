@@ -210,7 +210,9 @@ def test_random_operations_keep_the_pool_consistent_and_cached_kv_correct(ops, n
                 continue
             start = seq.num_computed_tokens
             bm.allocate(seq, op[2])
-            for pos, slot in zip(range(start, start + op[2]), bm.compute_slot_mapping(seq, start, start + op[2]), strict=True):
+            for pos, slot in zip(
+                range(start, start + op[2]), bm.compute_slot_mapping(seq, start, start + op[2]), strict=True
+            ):
                 slots[slot] = kv(seq, pos)
             seq.num_computed_tokens += op[2]
             bm.cache_full_blocks(seq)

@@ -36,7 +36,9 @@ def test_model_info_comes_from_the_directory(engine: LLMEngine) -> None:
 
 
 def test_deltas_add_up_to_the_final_output(engine: LLMEngine) -> None:
-    engine.add_request("r1", PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2))
+    engine.add_request(
+        "r1", PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    )
     outputs = _drain(engine)
     assert all(o.request_id == "r1" for o in outputs)
     final = outputs[-1]
@@ -94,7 +96,9 @@ def test_duplicate_request_ids_and_unknown_adapters_are_refused(engine: LLMEngin
 def test_stop_token_ids_end_the_completion_with_that_reason(engine: LLMEngine) -> None:
     engine.add_request("probe", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     first = _drain(engine)[-1].outputs[0].token_ids
-    engine.add_request("stop", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[first[1]]))
+    engine.add_request(
+        "stop", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[first[1]])
+    )
     c = _drain(engine)[-1].outputs[0]
     assert c.token_ids == first[:2] and c.finish_reason == "stop" and c.stop_reason == first[1]
 
@@ -114,8 +118,17 @@ def test_parallel_sampling_returns_n_completions_with_distinct_seeded_samples(en
 
 def test_stats_report_scheduler_and_request_counters(engine: LLMEngine) -> None:
     stats = engine.get_stats()
-    for key in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage",
-                "prefix_cache_hit_rate", "num_preemptions", "num_requests", "num_generated_tokens"):
+    for key in (
+        "num_running",
+        "num_waiting",
+        "num_free_blocks",
+        "num_total_blocks",
+        "kv_cache_usage",
+        "prefix_cache_hit_rate",
+        "num_preemptions",
+        "num_requests",
+        "num_generated_tokens",
+    ):
         assert key in stats
     assert stats["num_total_blocks"] == 32
 
@@ -133,7 +146,9 @@ def test_llm_generate_returns_outputs_in_prompt_order(tiny_llama_dir: Path) -> N
 def test_llm_chat_applies_the_template_once(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), num_blocks=64)
     (out,) = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0.0, max_tokens=3))
-    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
     expected = llm.tokenizer.encode(text, add_special_tokens=False)
     assert out.num_prompt_tokens == len(expected) and expected.count(0) == 1  # a single <|begin_of_text|>
 

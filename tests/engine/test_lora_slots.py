@@ -113,7 +113,9 @@ def test_base_model_requests_pass_a_head_waiting_for_a_slot_and_the_head_still_r
     while sched.has_unfinished():
         before = {s.request_id for s in sched.running}
         run_step(sched)
-        order.extend(r for r in ("y", "z") if r not in before and any(s.request_id == r for s in sched.running))
+        order.extend(
+            r for r in ("y", "z") if r not in before and any(s.request_id == r for s in sched.running)
+        )
         assert len(order) < 50
     assert order[:1] == ["y"]  # the head got the freed slot first
     assert all(s.finish_reason == "length" for s in (running, head, other_adapter, base))

@@ -54,7 +54,9 @@ def test_llama3_rope_frequencies_equal_transformers() -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    hf_cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=scaling)
+    hf_cfg = LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=scaling
+    )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, scaling), expected, atol=0, rtol=1e-6)
 
@@ -152,14 +154,19 @@ def test_bfloat16_checkpoint_loads_and_generates(tmp_path: Path) -> None:
     llm = LLM(str(model_dir), num_blocks=32)
     assert llm.engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
-    out = llm.generate([[0, 100, 200, 300]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    out = llm.generate([[0, 100, 200, 300]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[
+        0
+    ]
     assert len(out.outputs[0].token_ids) == 6
     # The first token is a single prefill forward; it must agree with transformers in bfloat16.
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        assert out.outputs[0].token_ids[0] == hf(torch.tensor([[0, 100, 200, 300]])).logits[0, -1].argmax().item()
+        assert (
+            out.outputs[0].token_ids[0]
+            == hf(torch.tensor([[0, 100, 200, 300]])).logits[0, -1].argmax().item()
+        )
 
 
 def test_float32_override_of_a_bfloat16_checkpoint(tmp_path: Path) -> None:

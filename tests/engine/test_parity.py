@@ -52,7 +52,7 @@ class Recorder:
         runner.prepare = prepare
         self.model.forward = forward
 
-    def check_against(self, model_dir: Path) -> int:
+    def check_against(self, model_dir: Path, *, atol: float = ATOL) -> int:
         """Assert every computed position matches transformers; return how many were compared."""
         hf = hf_model(model_dir)
         oracle: dict[int, torch.Tensor] = {}
@@ -65,7 +65,7 @@ class Recorder:
                     with torch.no_grad():
                         oracle[seq.seq_id] = hf(torch.tensor([seq.token_ids])).logits[0].float()
                 expected = oracle[seq.seq_id][start : start + n]
-                torch.testing.assert_close(ours[row : row + n], expected, atol=ATOL, rtol=0)
+                torch.testing.assert_close(ours[row : row + n], expected, atol=atol, rtol=0)
                 row += n
                 compared += n
         # Greedy identity: each generated token is transformers' argmax after the tokens before it.
@@ -99,7 +99,9 @@ def test_greedy_tokens_equal_transformers_generate(tiny_llama_dir: Path) -> None
     prompt = _prompts([12], seed=3)[0]
     ours = LLM(str(tiny_llama_dir), num_blocks=32).generate([prompt], _greedy(10))[0].outputs[0].token_ids
     hf = hf_model(tiny_llama_dir)
-    ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=5)
+    ref = hf.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=5
+    )
     assert ours == ref[0, len(prompt) :].tolist()
 
 

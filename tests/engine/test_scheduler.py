@@ -163,7 +163,12 @@ def test_preemption_takes_the_least_important_newest_running_sequence_and_keeps_
 
     out, _ = step(sched)
     assert out.preempted == [c]
-    assert (c.status, c.num_computed_tokens, c.block_table, c.num_output_tokens) == (SequenceStatus.WAITING, 0, [], 1)
+    assert (c.status, c.num_computed_tokens, c.block_table, c.num_output_tokens) == (
+        SequenceStatus.WAITING,
+        0,
+        [],
+        1,
+    )
     assert {s.seq.request_id for s in out.scheduled} == {"a", "b"}
 
     preempted = []
@@ -259,7 +264,10 @@ def test_abort_frees_the_blocks_at_the_next_schedule():
     out = sched.schedule()
     assert {s.request_id for s in out.finished_aborted} == {"r", "w"}
     assert len(out.finished_aborted) == 3 and out.scheduled == []
-    assert all(s.status is SequenceStatus.FINISHED_ABORTED and s.finish_reason == "abort" for s in out.finished_aborted)
+    assert all(
+        s.status is SequenceStatus.FINISHED_ABORTED and s.finish_reason == "abort"
+        for s in out.finished_aborted
+    )
     assert sched.block_manager.num_free_blocks == 8
     assert not sched.has_unfinished() and sched.num_running == sched.num_waiting == 0
 
@@ -292,7 +300,14 @@ def test_slot_mapping_follows_the_block_table():
     out = sched.schedule()
 
     t = seq.block_table
-    assert sched.compute_slot_mapping(seq, 0, 6) == [t[0] * 4, t[0] * 4 + 1, t[0] * 4 + 2, t[0] * 4 + 3, t[1] * 4, t[1] * 4 + 1]
+    assert sched.compute_slot_mapping(seq, 0, 6) == [
+        t[0] * 4,
+        t[0] * 4 + 1,
+        t[0] * 4 + 2,
+        t[0] * 4 + 3,
+        t[1] * 4,
+        t[1] * 4 + 1,
+    ]
     assert out.scheduled[0].needs_sample
 
 
@@ -413,7 +428,9 @@ request = st.tuples(
 # Requests arrive in bursts so that the pool fills up and preemption happens.
 add_op = st.tuples(st.just("add"), st.lists(request, min_size=1, max_size=4))
 # Sampled tokens; STOP is rare so that sequences live long enough to fill the pool.
-step_op = st.tuples(st.just("step"), st.lists(st.sampled_from([0, 1, 2, 1, 0, 2, STOP]), min_size=1, max_size=4))
+step_op = st.tuples(
+    st.just("step"), st.lists(st.sampled_from([0, 1, 2, 1, 0, 2, STOP]), min_size=1, max_size=4)
+)
 # Adds and steps dominate so that pools fill up, prefixes get reused and preemption happens.
 operations = st.lists(
     st.one_of(
@@ -457,7 +474,9 @@ def test_random_workloads_never_leak_or_overrun_and_always_run_to_completion(sch
         kind = op[0]
         if kind == "add":
             for prompt, max_tokens, n, priority, tenant, (lora_id, salt) in op[1]:
-                h.add(prompt, max_tokens, n, priority=priority, tenant=tenant, lora_id=lora_id, cache_salt=salt)
+                h.add(
+                    prompt, max_tokens, n, priority=priority, tenant=tenant, lora_id=lora_id, cache_salt=salt
+                )
             h.check_state()
         elif kind == "step":
             h.step(op[1])
@@ -486,7 +505,6 @@ def test_random_workloads_never_leak_or_overrun_and_always_run_to_completion(sch
     event(f"prefix hit: {sched.block_manager.prefix_cache_stats()['hits'] > 0}")
     event(f"aborted: {any(s.status is SequenceStatus.FINISHED_ABORTED for s in h.seqs)}")
     event(f"parallel sampling: {any(s.index > 0 for s in h.seqs)}")
-
 
 
 @settings(max_examples=100, deadline=None)

@@ -15,7 +15,9 @@ class Params:
 
 
 def test_new_sequence_is_waiting_with_nothing_computed():
-    seq = Sequence("r1", [5, 6, 7], Params(), tenant="a", priority=2, cache_salt="s", lora_id=3, arrival_time=1.5)
+    seq = Sequence(
+        "r1", [5, 6, 7], Params(), tenant="a", priority=2, cache_salt="s", lora_id=3, arrival_time=1.5
+    )
 
     assert seq.status is SequenceStatus.WAITING
     assert (seq.request_id, seq.index, seq.tenant, seq.priority) == ("r1", 0, "a", 2)

@@ -150,7 +150,9 @@ class Workers:
 
         def ready() -> bool:
             if proc.poll() is not None:
-                raise AssertionError(f"worker {replica_id} exited with {proc.returncode}:\n{self.log(replica_id)}")
+                raise AssertionError(
+                    f"worker {replica_id} exited with {proc.returncode}:\n{self.log(replica_id)}"
+                )
             return stats_of(self.client, self.prefix, replica_id) is not None
 
         wait_for(ready, timeout, f"worker {replica_id} to publish a heartbeat")
@@ -250,7 +252,9 @@ def test_n2_streams_every_index_and_sums_usage_over_them(served, direct_engine):
 
     events = wait_events(c, prefix, "n2-1")
 
-    direct = run_directly(direct_engine, "direct-n2-1", PROMPT, n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    direct = run_directly(
+        direct_engine, "direct-n2-1", PROMPT, n=2, temperature=0.0, max_tokens=10, ignore_eos=True
+    )
     assert streamed(events, 0) == direct[0]
     assert streamed(events, 1) == direct[1]
     # One delta event per step, never one per index.
@@ -291,10 +295,19 @@ def test_cancel_ends_the_request_with_abort_and_frees_its_blocks(served):
     assert events[-1].outputs == [{"index": 0, "finish_reason": "abort", "stop_reason": None}]
     produced = num_streamed_tokens(events)
     assert 0 < produced < 400
-    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": produced, "cached_tokens": 0}
+    assert events[-1].usage == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": produced,
+        "cached_tokens": 0,
+    }
     assert len([e for e in events if e.type == "finished"]) == 1
     stats = wait_for(
-        lambda: (s := stats_of(c, prefix, "solo")) and s.num_running == 0 and s.num_free_blocks == NUM_BLOCKS and s,
+        lambda: (
+            (s := stats_of(c, prefix, "solo"))
+            and s.num_running == 0
+            and s.num_free_blocks == NUM_BLOCKS
+            and s
+        ),
         10,
         "the aborted request's blocks to be free",
     )
@@ -412,7 +425,11 @@ def test_a_killed_replicas_requests_are_reclaimed_queued_ones_run_and_streaming_
         "completion_tokens": num_streamed_tokens(streamed_before),
         "cached_tokens": 0,
     }
-    assert (waiting[-1].type, waiting[-1].replica, num_streamed_tokens(waiting)) == ("finished", "rescuer", 12)
+    assert (waiting[-1].type, waiting[-1].replica, num_streamed_tokens(waiting)) == (
+        "finished",
+        "rescuer",
+        12,
+    )
     assert (queued[-1].type, queued[-1].replica, num_streamed_tokens(queued)) == ("finished", "rescuer", 6)
     wait_for(lambda: pending(c, prefix) == 0, 5, "every request to be acked")
 
@@ -509,7 +526,9 @@ def inproc(client: redis.Redis) -> Iterator[Callable]:
     drop_keys(client, prefix)
 
 
-def test_an_engine_failure_fails_streamed_requests_and_hands_back_unstarted_ones(client, inproc, fresh_engine):
+def test_an_engine_failure_fails_streamed_requests_and_hands_back_unstarted_ones(
+    client, inproc, fresh_engine
+):
     from engine.worker import EXIT_ENGINE_FAILED
 
     prefix = inproc.prefix

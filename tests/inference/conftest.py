@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import pytest
 from django.conf import settings
 
+from core.redis_client import get_async_redis
 from engine.protocol import GenerateRequest, replicas_key, requests_stream
 from inference.models import ModelDeployment
 from tenants.models import ApiKey, Tenant
-from tenants.redis_client import get_async_redis
 from tests.inference.fault_injection import ProtocolFaultInjector
 from tests.inference.peft_adapters import (  # noqa: F401 - fixtures of the adapter tests
     adapters_dir,

@@ -11,6 +11,7 @@ import time
 
 from django.conf import settings
 
+from core.redis_client import get_async_redis
 from engine.protocol import (
     Event,
     GenerateRequest,
@@ -22,7 +23,6 @@ from engine.protocol import (
     replicas_key,
     requests_stream,
 )
-from tenants.redis_client import get_async_redis
 
 
 class ProtocolFaultInjector:

@@ -10,10 +10,11 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
+from core.redis_client import get_async_redis
+from core.request_ids import new_request_id
 from engine.protocol import cancel_request_id, cancel_stream
-from inference.services import ChoiceDelta, Generation, chat_plan_create, new_request_id
+from inference.services import ChoiceDelta, Generation, chat_plan_create
 from tenants.models import UsageRecord
-from tenants.redis_client import get_async_redis
 from tenants.services import api_key_authenticate
 from tests.inference.conftest import make_world, queued_requests, running_engine_worker
 

@@ -102,5 +102,11 @@ def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
     from kernels.reference import ref_paged_attention
 
     return ref_paged_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
     )

@@ -10,7 +10,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from tenants.errors import AuthenticationError
+from core.errors import AuthenticationError
 from tenants.models import ApiKey, Membership, Tenant, UsageDaily, UsageRecord
 from tenants.services import api_key_authenticate, api_key_create, usage_record_create, usage_rollup
 from tests.tenants.conftest import MODEL

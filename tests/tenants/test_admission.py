@@ -8,9 +8,9 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from tenants.errors import InvalidRequestError, NotFoundError, QuotaExceededError
+from core.errors import InvalidRequestError, NotFoundError, QuotaExceededError
+from core.redis_client import get_redis
 from tenants.ratelimit import limiter
-from tenants.redis_client import get_redis
 from tenants.services import (
     admission_reserve,
     admission_settle,
@@ -46,7 +46,10 @@ def _threaded(fn, n: int) -> list:
 @pytest.mark.django_db(transaction=True)
 def test_reserve_and_settle_are_exact_under_concurrent_requests(world):
     tenant_limits_update(
-        tenant=world.tenant_a, tokens_per_minute=10_000_000, max_concurrent_requests=8, monthly_token_quota=10**9
+        tenant=world.tenant_a,
+        tokens_per_minute=10_000_000,
+        max_concurrent_requests=8,
+        monthly_token_quota=10**9,
     )
     auth = api_key_authenticate(raw_key=world.raw_key_a)
     start = threading.Barrier(8)
@@ -92,7 +95,9 @@ def test_the_quota_admits_exactly_what_fits_under_contention(world):
 def test_settle_is_idempotent_and_releases_the_slot(world):
     tenant_limits_update(tenant=world.tenant_a, max_concurrent_requests=1, monthly_token_quota=500)
     auth = api_key_authenticate(raw_key=world.raw_key_a)
-    reservation = admission_reserve(auth=auth, model=MODEL, prompt_tokens=20, max_tokens=80, request_id="once")
+    reservation = admission_reserve(
+        auth=auth, model=MODEL, prompt_tokens=20, max_tokens=80, request_id="once"
+    )
     assert reservation.reserved_tokens == 100
     assert (reservation.tenant_id, reservation.api_key_id) == (world.tenant_a.pk, world.key_a.pk)
     admission_settle(reservation=reservation, prompt_tokens=20, completion_tokens=5)
@@ -114,7 +119,9 @@ def test_a_model_the_tenant_may_not_use_looks_exactly_like_a_missing_model(world
     errors = []
     for model in ("other-model", "no-such-model"):
         with pytest.raises(NotFoundError) as caught:
-            admission_reserve(auth=auth, model=model, prompt_tokens=1, max_tokens=1, request_id=uuid.uuid4().hex)
+            admission_reserve(
+                auth=auth, model=model, prompt_tokens=1, max_tokens=1, request_id=uuid.uuid4().hex
+            )
         errors.append(caught.value.as_body()["error"] | {"message": caught.value.message.replace(model, "M")})
     assert errors[0] == errors[1]
     assert errors[0]["code"] == "model_not_found"

@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from tenants.errors import AuthenticationError, PermissionDeniedError
+from core.errors import AuthenticationError, PermissionDeniedError
 from tenants.models import ApiKey
 from tenants.services import (
     api_key_authenticate,
@@ -61,14 +61,18 @@ def test_a_wrong_secret_behind_a_real_prefix_is_refused(world):
     assert caught.value.status_code == 401
 
 
-@pytest.mark.parametrize("raw_key", ["", "sk-", "Bearer x", "sk-zzzzzzzzzzzz_" + "a" * 43, "sk-0123456789ab_short"])
+@pytest.mark.parametrize(
+    "raw_key", ["", "sk-", "Bearer x", "sk-zzzzzzzzzzzz_" + "a" * 43, "sk-0123456789ab_short"]
+)
 def test_malformed_keys_are_refused(db, raw_key):
     with pytest.raises(AuthenticationError):
         api_key_authenticate(raw_key=raw_key)
 
 
 def test_key_models_narrow_the_tenants_models_and_never_widen_them(world):
-    _, raw_key = api_key_create(tenant=world.tenant_a, name="narrow", allowed_models=["other-model", "not-the-tenants"])
+    _, raw_key = api_key_create(
+        tenant=world.tenant_a, name="narrow", allowed_models=["other-model", "not-the-tenants"]
+    )
     assert api_key_authenticate(raw_key=raw_key).allowed_models == ("other-model",)
 
 
@@ -145,8 +149,14 @@ def test_revoked_key_is_refused_within_one_second_by_another_web_process(world, 
 
     assert answer == (
         401,
-        {"error": {"message": "This API key has been revoked.", "type": "invalid_request_error", "param": None,
-                   "code": "invalid_api_key"}},
+        {
+            "error": {
+                "message": "This API key has been revoked.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        },
     )
     assert elapsed < 1.0
     assert _get_usage(web_process, world.raw_key_b)[0] == 200
@@ -164,4 +174,7 @@ def test_expired_key_is_refused_by_another_web_process_at_its_time(world, web_pr
 
     status, body = _get_usage(web_process, raw_key)
     assert status == 401
-    assert (body["error"]["code"], body["error"]["message"]) == ("invalid_api_key", "This API key has expired.")
+    assert (body["error"]["code"], body["error"]["message"]) == (
+        "invalid_api_key",
+        "This API key has expired.",
+    )

@@ -16,7 +16,7 @@ from django.test import Client
 from django.urls import URLResolver, get_resolver, reverse
 from django.utils import timezone
 
-from tenants.errors import AuthenticationError
+from core.errors import AuthenticationError
 from tenants.models import ApiKey, Membership, UsageRecord
 from tenants.services import (
     api_key_authenticate,
@@ -174,8 +174,16 @@ def _tenant_routes() -> list[str]:
 
 
 def _fill(route: str, *, slug: str, key_id: int) -> str:
-    values = {"slug": slug, "int": str(key_id), "str": "some-name", "path": "some/name", "uuid": str(uuid.uuid4())}
-    return re.sub(r"<(?:(\w+):)?(\w+)>", lambda m: values["slug" if m[2] == "slug" else (m[1] or "str")], route)
+    values = {
+        "slug": slug,
+        "int": str(key_id),
+        "str": "some-name",
+        "path": "some/name",
+        "uuid": str(uuid.uuid4()),
+    }
+    return re.sub(
+        r"<(?:(\w+):)?(\w+)>", lambda m: values["slug" if m[2] == "slug" else (m[1] or "str")], route
+    )
 
 
 def test_outsider_cannot_tell_tenant_a_exists_from_any_tenant_url(world):
@@ -194,7 +202,9 @@ def test_outsider_cannot_tell_tenant_a_exists_from_any_tenant_url(world):
         # 405 only where the view takes the other method whoever asks; a tenant route is 404.
         assert set(statuses.values()) <= {404, 405} and 404 in statuses.values(), (route, statuses)
 
-    assert list(ApiKey.objects.filter(tenant=world["a"]).values_list("name", "revoked_at")) == [("acme-prod", None)]
+    assert list(ApiKey.objects.filter(tenant=world["a"]).values_list("name", "revoked_at")) == [
+        ("acme-prod", None)
+    ]
 
 
 def test_tenant_b_key_is_404_through_tenant_a_urls_even_for_a_member_of_both(world):
@@ -236,8 +246,10 @@ def test_owner_creates_a_key_and_its_secret_is_shown_exactly_once(world):
 
     assert response.status_code == 200
     assert "no-store" in response["Cache-Control"]
-    secret = re.search(r'id="new-key-secret"[^>]*value="([^"]+)"|value="([^"]+)"[^>]*id="new-key-secret"',
-                       response.content.decode())
+    secret = re.search(
+        r'id="new-key-secret"[^>]*value="([^"]+)"|value="([^"]+)"[^>]*id="new-key-secret"',
+        response.content.decode(),
+    )
     raw_key = next(g for g in secret.groups() if g)
     key = ApiKey.objects.get(tenant=world["a"], name="ci runner")
     assert raw_key.startswith(key.display_prefix + "_")
@@ -326,12 +338,21 @@ def test_usage_page_charts_and_tables_per_day_and_per_model(world):
     html = response.content.decode()
 
     assert response.status_code == 200
-    daily = json.loads(re.search(r'id="usage-daily-data" type="application/json">(.*?)</script>', html).group(1))
-    models = json.loads(re.search(r'id="usage-model-data" type="application/json">(.*?)</script>', html).group(1))
+    daily = json.loads(
+        re.search(r'id="usage-daily-data" type="application/json">(.*?)</script>', html).group(1)
+    )
+    models = json.loads(
+        re.search(r'id="usage-model-data" type="application/json">(.*?)</script>', html).group(1)
+    )
     today = timezone.now().date()
     assert len(daily) == 30
     assert daily[-1] == {"day": today.isoformat(), "requests": 2, "prompt": 400, "completion": 60}
-    assert daily[-3] == {"day": (today - timedelta(days=2)).isoformat(), "requests": 1, "prompt": 10, "completion": 0}
+    assert daily[-3] == {
+        "day": (today - timedelta(days=2)).isoformat(),
+        "requests": 1,
+        "prompt": 10,
+        "completion": 0,
+    }
     assert sum(d["requests"] for d in daily) == 3
     assert models == [
         {"model": "tiny-qwen", "requests": 1, "prompt": 300, "completion": 40},
@@ -347,7 +368,9 @@ def test_usage_page_charts_and_tables_per_day_and_per_model(world):
 def test_playground_offers_the_tenant_models_and_the_websocket_path(world):
     html = _client(world["member"]).get(reverse("dashboard:playground", args=["acme"])).content.decode()
 
-    options = re.findall(r'<option value="([^"]+)"', html.split('id="pg-model"', 1)[1].split("</select>", 1)[0])
+    options = re.findall(
+        r'<option value="([^"]+)"', html.split('id="pg-model"', 1)[1].split("</select>", 1)[0]
+    )
     assert options == ["tiny-llama", "tiny-qwen"]
     assert 'data-ws-path="/ws/v1/chat"' in html
 

@@ -7,8 +7,8 @@ import uuid
 import pytest
 from django.utils import timezone
 
-from tenants.api.exceptions import error_response
-from tenants.errors import QuotaExceededError, RateLimitError
+from core.api.exceptions import error_response
+from core.errors import QuotaExceededError, RateLimitError
 from tenants.ratelimit import limiter
 from tenants.services import (
     admission_reserve,
@@ -40,7 +40,11 @@ def _auth(world, **limits):
 
 def _reserve(auth, *, prompt: int = 10, max_tokens: int = 90, request_id: str | None = None):
     return admission_reserve(
-        auth=auth, model=MODEL, prompt_tokens=prompt, max_tokens=max_tokens, request_id=request_id or uuid.uuid4().hex
+        auth=auth,
+        model=MODEL,
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        request_id=request_id or uuid.uuid4().hex,
     )
 
 
@@ -117,9 +121,10 @@ def test_a_keys_own_tokens_per_minute_limit_applies_under_the_tenants(world):
     small = api_key_authenticate(raw_key=raw_key)
 
     first = _reserve(small, prompt=50, max_tokens=50)
-    assert (first.ratelimit_headers["x-ratelimit-limit-tokens"], first.ratelimit_headers["x-ratelimit-remaining-tokens"]) == (
-        "150", "50"
-    )
+    assert (
+        first.ratelimit_headers["x-ratelimit-limit-tokens"],
+        first.ratelimit_headers["x-ratelimit-remaining-tokens"],
+    ) == ("150", "50")
     with pytest.raises(RateLimitError, match="key tokens per minute") as caught:
         _reserve(small, prompt=50, max_tokens=50)
     assert caught.value.headers["x-ratelimit-remaining-tokens"] == "50"
@@ -138,8 +143,16 @@ def test_a_request_larger_than_the_token_limit_is_refused(world):
 def test_exhausted_quota_gives_insufficient_quota_and_should_not_retry(world):
     auth = _auth(world, monthly_token_quota=1000)
     usage_record_create(
-        tenant_id=world.tenant_a.pk, api_key_id=world.key_a.pk, model=MODEL, adapter=None, prompt_tokens=600,
-        completion_tokens=300, cached_tokens=0, time_to_first_token_ms=5.0, latency_ms=20.0, status="success",
+        tenant_id=world.tenant_a.pk,
+        api_key_id=world.key_a.pk,
+        model=MODEL,
+        adapter=None,
+        prompt_tokens=600,
+        completion_tokens=300,
+        cached_tokens=0,
+        time_to_first_token_ms=5.0,
+        latency_ms=20.0,
+        status="success",
         request_id="earlier",
     )
     fits = _reserve(auth, prompt=40, max_tokens=60)  # 900 + 100 = the whole quota

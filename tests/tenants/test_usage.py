@@ -14,13 +14,32 @@ from tests.tenants.conftest import MODEL, bearer
 DAY1, DAY2 = date(2026, 3, 9), date(2026, 3, 10)
 
 
-def _record(world, request_id: str, *, key=None, model: str = MODEL, adapter=None, prompt=10, completion=5,
-            cached=0, status="success", at: datetime | None = None) -> UsageRecord:
+def _record(
+    world,
+    request_id: str,
+    *,
+    key=None,
+    model: str = MODEL,
+    adapter=None,
+    prompt=10,
+    completion=5,
+    cached=0,
+    status="success",
+    at: datetime | None = None,
+) -> UsageRecord:
     key = key or world.key_a
     record = usage_record_create(
-        tenant_id=key.tenant_id, api_key_id=key.pk, model=model, adapter=adapter, prompt_tokens=prompt,
-        completion_tokens=completion, cached_tokens=cached, time_to_first_token_ms=12.5, latency_ms=80.0,
-        status=status, request_id=request_id,
+        tenant_id=key.tenant_id,
+        api_key_id=key.pk,
+        model=model,
+        adapter=adapter,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached,
+        time_to_first_token_ms=12.5,
+        latency_ms=80.0,
+        status=status,
+        request_id=request_id,
     )
     if at is not None:
         UsageRecord.objects.filter(pk=record.pk).update(created_at=at)
@@ -38,11 +57,18 @@ def test_one_ledger_row_per_request_and_a_repeat_is_a_no_op(world):
     assert UsageRecord.objects.count() == 1
     row = UsageRecord.objects.get()
     assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens, row.total_tokens) == (7, 3, 2, 10)
-    assert (row.tenant_id, row.api_key_id, row.model, row.adapter) == (world.tenant_a.pk, world.key_a.pk, MODEL, None)
+    assert (row.tenant_id, row.api_key_id, row.model, row.adapter) == (
+        world.tenant_a.pk,
+        world.key_a.pk,
+        MODEL,
+        None,
+    )
 
 
 def test_the_ledger_has_no_place_for_prompt_or_output_text():
-    text_fields = {f.name for f in UsageRecord._meta.get_fields() if f.get_internal_type() in {"TextField", "JSONField"}}
+    text_fields = {
+        f.name for f in UsageRecord._meta.get_fields() if f.get_internal_type() in {"TextField", "JSONField"}
+    }
     assert text_fields == set()
 
 
@@ -55,8 +81,16 @@ def test_unknown_status_is_refused(world):
 def _daily_rows() -> list[tuple]:
     return sorted(
         UsageDaily.objects.values_list(
-            "day", "tenant_id", "api_key_id", "model", "adapter", "requests", "errors", "prompt_tokens",
-            "completion_tokens", "cached_tokens",
+            "day",
+            "tenant_id",
+            "api_key_id",
+            "model",
+            "adapter",
+            "requests",
+            "errors",
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
         )
     )
 
@@ -98,7 +132,13 @@ def test_the_beat_task_rolls_up_today_and_yesterday(world):
 def test_quota_used_this_month_counts_this_months_ledger_only(world):
     now = timezone.now()
     _record(world, "now", prompt=30, completion=12)
-    _record(world, "last-month", prompt=500, completion=500, at=now.replace(day=1, hour=0, minute=0, second=0) - timedelta(hours=1))
+    _record(
+        world,
+        "last-month",
+        prompt=500,
+        completion=500,
+        at=now.replace(day=1, hour=0, minute=0, second=0) - timedelta(hours=1),
+    )
     _record(world, "other-tenant", key=world.key_b, prompt=70, completion=0)
     assert quota_used_this_month(tenant_id=world.tenant_a.pk) == 42
 
@@ -113,18 +153,40 @@ def test_usage_api_groups_the_callers_tenant_only(world, api_client):
     assert by_day["object"] == "list"
     assert (by_day["start"], by_day["end"], by_day["group_by"]) == ("2026-03-01", "2026-03-31", "day")
     assert by_day["data"] == [
-        {"date": "2026-03-09", "requests": 1, "errors": 0, "prompt_tokens": 10, "completion_tokens": 5,
-         "cached_tokens": 2, "total_tokens": 15},
-        {"date": "2026-03-10", "requests": 1, "errors": 1, "prompt_tokens": 20, "completion_tokens": 10,
-         "cached_tokens": 0, "total_tokens": 30},
+        {
+            "date": "2026-03-09",
+            "requests": 1,
+            "errors": 0,
+            "prompt_tokens": 10,
+            "completion_tokens": 5,
+            "cached_tokens": 2,
+            "total_tokens": 15,
+        },
+        {
+            "date": "2026-03-10",
+            "requests": 1,
+            "errors": 1,
+            "prompt_tokens": 20,
+            "completion_tokens": 10,
+            "cached_tokens": 0,
+            "total_tokens": 30,
+        },
     ]
     by_model = api_client.get("/v1/usage", {**query, "group_by": "model"}, **bearer(world.raw_key_a)).json()
     assert [(b["model"], b["total_tokens"]) for b in by_model["data"]] == [("other-model", 30), (MODEL, 15)]
     by_key = api_client.get("/v1/usage", {**query, "group_by": "key"}, **bearer(world.raw_key_a)).json()
     assert by_key["data"] == [
-        {"api_key_id": world.key_a.pk, "api_key_prefix": world.key_a.display_prefix, "api_key_name": "a-key",
-         "requests": 2, "errors": 1, "prompt_tokens": 30, "completion_tokens": 15, "cached_tokens": 2,
-         "total_tokens": 45},
+        {
+            "api_key_id": world.key_a.pk,
+            "api_key_prefix": world.key_a.display_prefix,
+            "api_key_name": "a-key",
+            "requests": 2,
+            "errors": 1,
+            "prompt_tokens": 30,
+            "completion_tokens": 15,
+            "cached_tokens": 2,
+            "total_tokens": 45,
+        },
     ]
 
 
@@ -172,7 +234,11 @@ def test_celery_beat_schedules_the_rollup_and_the_task_rolls_up(world):
 
     _record(world, "today", prompt=3, completion=2)
     app.loader.import_default_modules()
-    entries = [entry for entry in Scheduler(app=app).schedule.values() if entry.task == "tenants.tasks.usage_rollup_recent"]
+    entries = [
+        entry
+        for entry in Scheduler(app=app).schedule.values()
+        if entry.task == "tenants.tasks.usage_rollup_recent"
+    ]
 
     assert [entry.name for entry in entries] == ["tenants-usage-rollup"]
     assert 0 < entries[0].schedule.run_every.total_seconds() <= 3600

@@ -7,8 +7,8 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from core.redis_client import get_redis
 from engine.protocol import replicas_key
-from tenants.redis_client import get_redis
 
 
 class Command(BaseCommand):

@@ -12,10 +12,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.management.commands.run_engine import ENGINE_SETTING_FLAGS, ENGINE_SETTING_SWITCHES
+from core.errors import PlatformError
+from engine.rules import ENGINE_SETTING_FLAGS, ENGINE_SETTING_SWITCHES
 from inference.models import ModelDeployment
 from inference.services import deployment_register
-from tenants.errors import PlatformError
 
 
 def engine_setting(text: str) -> tuple[str, Any]:

@@ -14,33 +14,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from engine.rules import ENGINE_SETTING_DEFAULTS, ENGINE_SETTING_FLAGS, ENGINE_SETTING_SWITCHES
 from inference.selectors import deployment_get_enabled
-
-# engine_settings keys a deployment may set, as the engine's command line options.
-ENGINE_SETTING_FLAGS = {
-    "device": "--device",
-    "seed": "--seed",
-    "num_blocks": "--num-blocks",
-    "kv_cache_memory": "--kv-cache-memory",
-    "gpu_memory_utilization": "--gpu-memory-utilization",
-    "block_size": "--block-size",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "max_held": "--max-held",
-    "claim_timeout_ms": "--claim-timeout-ms",
-    "heartbeat_interval": "--heartbeat-interval",
-    "max_loras": "--max-loras",
-    "max_cpu_loras": "--max-cpu-loras",
-    "max_lora_rank": "--max-lora-rank",
-}
-# Boolean settings: the flag is passed when the value is true.
-ENGINE_SETTING_SWITCHES = {
-    "enforce_eager": "--enforce-eager",
-    "no_prefix_caching": "--no-prefix-caching",
-    "enable_lora": "--enable-lora",
-}
-# Switches that are on unless a deployment turns them off: tenants' adapters are served by default.
-ENGINE_SETTING_DEFAULTS = {"enable_lora": True}
 
 
 def serve_argv(

@@ -14,7 +14,7 @@ from rest_framework import exceptions as drf
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
-from tenants.errors import (
+from core.errors import (
     AuthenticationError,
     InvalidRequestError,
     MethodNotAllowedError,
