@@ -1,5 +1,5 @@
 """Project-wide middleware: Prometheus request metrics by route (the URL pattern, never the raw
-path: bounded labels), and the guarantee that every /v1 answer is JSON."""
+path: bounded labels), and the guarantee that every /v1 answer is JSON and carries an x-request-id."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from prometheus_client import Counter, Histogram
 
 from core.api.exceptions import error_for_status, error_response
+from core.request_ids import new_request_id
 
 HTTP_REQUESTS = Counter("pagoda_http_requests_total", "HTTP requests handled", ["method", "route", "status"])
 HTTP_LATENCY = Histogram(
@@ -68,16 +69,20 @@ def _is_api(request) -> bool:
 
 def _reshaped(request, response):
     """An error page Django rendered itself for a /v1 request (a refused host, a body over the
-    upload limit, a crash past a view's own handling) re-rendered in the API's JSON shape."""
+    upload limit, a crash past a view's own handling) re-rendered in the API's JSON shape; and
+    a request id on /v1 answers that did not pass through a view (the catch-all, those pages)."""
+    if not _is_api(request):
+        return response
+    if not response.has_header("x-request-id"):
+        response["x-request-id"] = new_request_id()
     if (
-        not _is_api(request)
-        or response.status_code < 400
+        response.status_code < 400
         or getattr(response, "streaming", False)
         or response.get("Content-Type", "").startswith("application/json")
     ):
         return response
     reshaped = error_response(error_for_status(response.status_code))
-    for name in ("Allow", "Retry-After", "WWW-Authenticate"):
+    for name in ("Allow", "Retry-After", "WWW-Authenticate", "x-request-id"):
         if response.has_header(name):
             reshaped[name] = response[name]
     return reshaped

@@ -191,15 +191,10 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SESSION_COOKIE_HTTPONLY = True
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_TLS_PROXY", False) else None
 
-REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": [],
-    "DEFAULT_PERMISSION_CLASSES": [],
-    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
-    "UNAUTHENTICATED_USER": None,
-    # Every API error, DRF's own included, in OpenAI's {"error": {...}} shape.
-    "EXCEPTION_HANDLER": "core.api.exceptions.api_exception_handler",
-}
+# The /v1 API (core.api.base.ApiView): who the caller is, and how a request is counted against the
+# tenant's requests/min limit. DRF serves the API's input validation (serializers) only.
+API_AUTHENTICATE = "tenants.services.api_key_authenticate_header"
+API_REQUEST_ADMIT = "tenants.services.request_admit"
 
 # Platform knobs.
 API_KEY_CACHE_SECONDS = envint("PAGODA_API_KEY_CACHE_SECONDS", 30, minimum=0)

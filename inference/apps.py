@@ -8,6 +8,8 @@ class InferenceConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        # The tasks, registered in every process: services queue them by name.
+        import inference.tasks  # noqa: F401
         from inference.metrics import register_engine_collector
 
         register_engine_collector()

@@ -27,10 +27,10 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from core.errors import AuthenticationError, InvalidRequestError, PlatformError
 from core.request_ids import new_request_id
 from inference import metrics
-from inference.api.base import parse_body_data
 from inference.api.formatting import chat_logprobs, usage_body
-from inference.api.views import ChatCompletionCreateApi
-from inference.services import ChoiceDelta, ChoiceFinished, Generation, chat_plan_create
+from inference.api.serializers import ChatCompletionInputSerializer, generation_input
+from inference.services import ChoiceDelta, ChoiceFinished, generation_start
+from tenants.services import api_key_authenticate
 from tenants.types import AuthContext
 
 logger = logging.getLogger(__name__)
@@ -96,12 +96,10 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             )
 
     async def _authenticate(self, raw_key: Any) -> None:
-        from inference.api.auth import authenticate_key
-
         try:
             if not isinstance(raw_key, str) or not raw_key:
                 raise AuthenticationError("api_key is required.")
-            self.auth = await authenticate_key(raw_key)
+            self.auth = await sync_to_async(api_key_authenticate)(raw_key=raw_key)
         except PlatformError as exc:
             await self._error(None, exc)
             await self.close(code=CLOSE_UNAUTHENTICATED)
@@ -135,23 +133,21 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
     async def _generate(self, stream_id: str, body: Any) -> None:
         started = time.perf_counter()
-        plan = None
         try:
-            data = parse_body_data(body, ChatCompletionCreateApi.InputSerializer)
+            try:
+                data = generation_input(body, ChatCompletionInputSerializer)
+            except PlatformError as exc:
+                metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
+                raise
             data["stream"] = False  # the websocket streams by itself; SSE options do not apply
             data.pop("stream_options", None)
-            plan = await sync_to_async(chat_plan_create)(
-                auth=self.auth, data=data, request_id=new_request_id()
+            generation, events = await generation_start(
+                auth=self.auth, kind="chat", data=data, request_id=new_request_id(), started_at=started
             )
-            generation = Generation(auth=self.auth, plan=plan, started_at=started)
-            events = generation.run()
-            await anext(events)
         except PlatformError as exc:
-            metrics.record_refused(
-                tenant=self.auth.tenant_slug, model=plan.model if plan else None, code=exc.code
-            )
             await self._error(stream_id, exc)
             return
+        plan = generation.plan
         reasons: dict[int, str] = {}
         try:
             async for item in events:

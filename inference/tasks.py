@@ -7,7 +7,7 @@ from celery import shared_task
 from inference.services import adapters
 
 
-@shared_task(name="inference.tasks.adapter_validate")
+@shared_task(name=adapters.VALIDATE_TASK)
 def adapter_validate(adapter_id: int, version: str) -> str:
     """Validate one stored adapter version (scheduled on commit of its upload)."""
     return adapters.adapter_validate(adapter_id=adapter_id, version=version)

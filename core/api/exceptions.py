@@ -1,6 +1,7 @@
 """Every API error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
-`api_exception_handler` is DRF's EXCEPTION_HANDLER; `error_response` serves plain (async) views.
+`error_response` is the one renderer: the /v1 views (core.api.base.ApiView), the /v1 catch-all and
+the middleware that guarantees JSON on /v1 all answer errors through it.
 """
 
 from __future__ import annotations
@@ -8,11 +9,10 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
-from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
+from django.core.exceptions import BadRequest, PermissionDenied, RequestDataTooBig, SuspiciousOperation
 from django.http import Http404, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from rest_framework import exceptions as drf
-from rest_framework.response import Response
-from rest_framework.views import set_rollback
 
 from core.errors import (
     AuthenticationError,
@@ -81,7 +81,11 @@ def to_platform_error(exc: Exception) -> PlatformError | None:
         return RequestTooLargeError(
             f"The request body is larger than the {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes this server accepts."
         )
-    if isinstance(exc, SuspiciousOperation):
+    if isinstance(exc, MultiPartParserError):
+        return InvalidRequestError(
+            f"The multipart body could not be parsed. ({exc})", code="invalid_multipart"
+        )
+    if isinstance(exc, SuspiciousOperation | BadRequest):
         return InvalidRequestError("The request was refused as malformed.", code="bad_request")
     if isinstance(exc, drf.APIException):
         error = PlatformError(_message_of(exc), code=str(exc.default_code))
@@ -112,23 +116,9 @@ def error_for_status(status: int) -> PlatformError:
     return error
 
 
-def api_exception_handler(exc: Exception, context: dict) -> Response | None:
-    error = to_platform_error(exc)
-    if error is None:
-        # A bug, not bad input: log it, and still answer in the API's shape.
-        logger.exception("unhandled error in %s", context.get("view").__class__.__name__, exc_info=exc)
-        error = PlatformError()
-    set_rollback()
-    response = Response(error.as_body(), status=error.status_code)
-    for name, value in error.headers.items():
-        response[name] = value
-    if error.status_code == 401:
-        response["WWW-Authenticate"] = 'Bearer realm="api"'
-    return response
-
-
 def error_response(exc: Exception) -> JsonResponse:
-    """The same rendering for views outside DRF (async views, the /v1 catch-all)."""
+    """`exc` in OpenAI's error shape, with its status and headers. Anything that is not a platform,
+    DRF or Django request error is a bug: logged, and answered as a 500 that reveals nothing."""
     error = to_platform_error(exc)
     if error is None:
         logger.exception("unhandled error", exc_info=exc)

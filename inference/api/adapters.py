@@ -7,15 +7,15 @@ as one that does not exist.
 from __future__ import annotations
 
 from django.conf import settings
-from rest_framework import serializers, status
-from rest_framework.parsers import MultiPartParser
-from rest_framework.response import Response
+from django.http import JsonResponse
+from rest_framework import serializers
 
+from core.api.base import ApiView, StrictSerializer, validated
+from core.errors import InvalidRequestError
 from inference.models import LoraAdapter
 from inference.selectors import adapter_get_for_tenant, adapter_list_for_tenant
 from inference.services.adapter_files import adapter_too_large
 from inference.services.adapters import adapter_delete, adapter_upload
-from tenants.api.base import StrictSerializer, TenantApiView
 from tenants.models import Tenant
 from tenants.services import tenant_allowed_models
 
@@ -46,10 +46,8 @@ class AdapterOutputSerializer(serializers.Serializer):
         return adapter.failure_reason or None
 
 
-class AdapterListCreateApi(TenantApiView):
+class AdapterListCreateApi(ApiView):
     """GET: the caller's tenant's adapters. POST: upload (or re-upload) one; validation follows."""
-
-    parser_classes = [MultiPartParser]
 
     class InputSerializer(StrictSerializer):
         name = serializers.CharField(max_length=200)
@@ -57,32 +55,36 @@ class AdapterListCreateApi(TenantApiView):
         file = serializers.ListField(child=serializers.FileField(allow_empty_file=True), allow_empty=False)
 
     def get(self, request):
-        adapters = adapter_list_for_tenant(tenant_id=request.auth.tenant_id)
-        return Response({"object": "list", "data": AdapterOutputSerializer(adapters, many=True).data})
+        adapters = adapter_list_for_tenant(tenant_id=self.auth.tenant_id)
+        return {"object": "list", "data": AdapterOutputSerializer(adapters, many=True).data}
 
     def post(self, request):
         # Refused before the multipart body is parsed into files; the stored size is checked again.
         declared = int(request.META.get("CONTENT_LENGTH") or 0)
         if declared > settings.ADAPTER_MAX_BYTES + _MULTIPART_OVERHEAD:
             raise adapter_too_large(settings.ADAPTER_MAX_BYTES)
-        fields = {key: request.data.get(key) for key in request.data if key != "file"}
-        serializer = self.InputSerializer(data={**fields, "file": request.FILES.getlist("file")})
-        serializer.is_valid(raise_exception=True)
+        if request.content_type != "multipart/form-data":
+            raise InvalidRequestError(
+                "Upload adapters as multipart/form-data (fields name, base_model and file).",
+                code="unsupported_media_type",
+            )
+        fields = {key: request.POST.get(key) for key in request.POST if key != "file"}
+        data = validated(self.InputSerializer, {**fields, "file": request.FILES.getlist("file")})
         adapter = adapter_upload(
-            tenant=Tenant.objects.get(pk=request.auth.tenant_id),
-            name=serializer.validated_data["name"],
-            base_model=serializer.validated_data["base_model"],
-            files=serializer.validated_data["file"],
-            allowed_models=tenant_allowed_models(auth=request.auth),
+            tenant=Tenant.objects.get(pk=self.auth.tenant_id),
+            name=data["name"],
+            base_model=data["base_model"],
+            files=data["file"],
+            allowed_models=tenant_allowed_models(auth=self.auth),
         )
-        return Response(AdapterOutputSerializer(adapter).data, status=status.HTTP_201_CREATED)
+        return JsonResponse(AdapterOutputSerializer(adapter).data, status=201)
 
 
-class AdapterDetailApi(TenantApiView):
+class AdapterDetailApi(ApiView):
     def get(self, request, name: str):
-        adapter = adapter_get_for_tenant(tenant_id=request.auth.tenant_id, name=name)
-        return Response(AdapterOutputSerializer(adapter).data)
+        adapter = adapter_get_for_tenant(tenant_id=self.auth.tenant_id, name=name)
+        return AdapterOutputSerializer(adapter).data
 
     def delete(self, request, name: str):
-        adapter_delete(tenant_id=request.auth.tenant_id, name=name)
-        return Response({"id": name, "object": "adapter", "deleted": True})
+        adapter_delete(tenant_id=self.auth.tenant_id, name=name)
+        return {"id": name, "object": "adapter", "deleted": True}

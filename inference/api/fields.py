@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from rest_framework import serializers
-from rest_framework.exceptions import ErrorDetail
 
+from core.api.base import unknown_field_error
 from engine.rules import MAX_N, MAX_STOP_STRINGS
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
@@ -193,6 +193,4 @@ def refuse_unsupported(body: dict, known: set[str]) -> None:
             continue
         if name in UNSUPPORTED_FIELDS:
             raise serializers.ValidationError({name: f"{name} is not supported by this server."})
-        # The code /v1/usage answers for an unknown field too (tenants.api.base.StrictSerializer).
-        message = f"Unrecognized request argument supplied: {name}"
-        raise serializers.ValidationError({name: [ErrorDetail(message, code="unknown_parameter")]})
+        raise unknown_field_error(name)

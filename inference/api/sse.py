@@ -74,12 +74,8 @@ async def sse_stream(generation: Generation, events: AsyncIterator) -> AsyncIter
     yield DONE
 
 
-def sse_response(
-    generation: Generation, events: AsyncIterator, headers: dict[str, str]
-) -> StreamingHttpResponse:
+def sse_response(generation: Generation, events: AsyncIterator) -> StreamingHttpResponse:
     response = StreamingHttpResponse(sse_stream(generation, events), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # proxies must pass each event on at once
-    for name, value in headers.items():
-        response[name] = value
     return response

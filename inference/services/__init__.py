@@ -9,6 +9,7 @@ from inference.services.generation import (
     Generation,
     GenerationUsage,
     collect_choices,
+    generation_start,
 )
 from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
 
@@ -23,5 +24,6 @@ __all__ = [
     "collect_choices",
     "completion_plan_create",
     "deployment_register",
+    "generation_start",
     "model_context_limit",
 ]

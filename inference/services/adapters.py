@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from celery import signature
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
@@ -26,8 +27,10 @@ from inference.selectors import adapter_list_unvalidated, adapter_not_found
 from inference.services.adapter_checks import AdapterInvalid, adapter_check
 from inference.services.adapter_files import Upload, stage_upload
 from tenants.models import Tenant
+from tenants.services import membership_require_manager
 
 logger = logging.getLogger(__name__)
+VALIDATE_TASK = "inference.tasks.adapter_validate"
 # Validation reads headers only and takes seconds: an adapter unvalidated this long was lost.
 LOST_AFTER = timedelta(minutes=10)
 
@@ -193,11 +196,11 @@ def _remove_versions_before(home: Path, *, version: str) -> None:
 
 
 def _schedule_validation(*, adapter_id: int, version: str) -> None:
-    from inference.tasks import adapter_validate as task
-
-    # robust: a broker outage must not fail the upload; the adapter stays "uploaded" and can be
-    # validated again from the admin.
-    transaction.on_commit(lambda: task.delay(adapter_id, version), robust=True)
+    # By name: the task module imports this one, never the other way round (InferenceConfig.ready
+    # registers the tasks in every process). robust: a broker outage must not fail the upload; the
+    # adapter stays "uploaded" and is validated again by adapter_validate_lost or from the admin.
+    task = signature(VALIDATE_TASK, args=(adapter_id, version))
+    transaction.on_commit(task.delay, robust=True)
 
 
 def adapter_revalidate(*, adapter: LoraAdapter) -> None:
@@ -259,6 +262,34 @@ def adapter_validate(*, adapter_id: int, version: str) -> str:
         return "superseded"
     logger.info("adapter %s (%s) is %s", adapter_id, version, outcome["status"])
     return str(outcome["status"])
+
+
+def adapter_upload_for_member(
+    *,
+    user,
+    tenant: Tenant,
+    name: str,
+    base_model: str,
+    files: Sequence[Upload],
+    allowed_models: Collection[str] | None = None,
+) -> LoraAdapter:
+    """adapter_upload by a dashboard user: owners and admins may, members may not
+    (PermissionDeniedError), outsiders do not see the tenant (NotFoundError)."""
+    membership_require_manager(user=user, tenant_id=tenant.pk, what="adapters")
+    return adapter_upload(
+        tenant=tenant,
+        name=name,
+        base_model=base_model,
+        files=files,
+        created_by=user,
+        allowed_models=allowed_models,
+    )
+
+
+def adapter_delete_for_member(*, user, tenant_id: int, name: str) -> None:
+    """adapter_delete by a dashboard user, under the same role rule as adapter_upload_for_member."""
+    membership_require_manager(user=user, tenant_id=tenant_id, what="adapters")
+    adapter_delete(tenant_id=tenant_id, name=name)
 
 
 def adapter_delete(*, tenant_id: int, name: str) -> None:

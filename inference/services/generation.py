@@ -1,5 +1,8 @@
 """One admitted generation, from reservation to ledger row.
 
+`generation_start()` is how every transport (the REST views, the websocket) starts one: it plans
+the request, admits and queues it, and hands back the Generation with its remaining events.
+
 `Generation.run()` is an async generator: it checks that an engine serves the model, reserves the
 tokens (raising before anything is queued), queues one engine request per prompt, yields `None`
 once queued, then the choices' deltas and finishes as they arrive. Whatever ends it (finished,
@@ -24,7 +27,7 @@ from core.errors import InvalidRequestError, PlatformError, ServiceUnavailableEr
 from engine.protocol import Event, GenerateRequest
 from inference import metrics
 from inference.gateway import EngineGateway, get_gateway, live_replica_ids_async, replica_is_live_async
-from inference.services.plans import GenerationPlan
+from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
 from tenants.services import admission_reserve, admission_settle, usage_record_create
 from tenants.types import AuthContext, Reservation
 
@@ -280,6 +283,35 @@ class Generation:
                 status=self.status,
                 request_id=self.plan.request_id,
             )
+
+
+_PLANNERS = {"chat": chat_plan_create, "completion": completion_plan_create}
+
+
+async def generation_start(
+    *,
+    auth: AuthContext,
+    kind: str,
+    data: dict[str, Any],
+    request_id: str,
+    started_at: float | None = None,
+) -> tuple[Generation, AsyncIterator[ChoiceDelta | ChoiceFinished]]:
+    """Plan a validated chat or completion body (`kind`), reserve its tokens and queue it.
+
+    Returns the Generation and its events (the choices' deltas and finishes). A refusal (unknown
+    model, context too long, rate limit, no engine) raises here, counted in the metrics, before
+    anything is queued or reserved; once this returns, the events must be consumed or closed, and
+    whatever ends them settles the reservation and writes the ledger row."""
+    plan = None
+    try:
+        plan = await sync_to_async(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
+        generation = Generation(auth=auth, plan=plan, started_at=started_at or time.perf_counter())
+        events = generation.run()
+        await anext(events)  # admitted and queued
+    except PlatformError as exc:
+        metrics.record_refused(tenant=auth.tenant_slug, model=plan.model if plan else None, code=exc.code)
+        raise
+    return generation, events
 
 
 @dataclass(slots=True)

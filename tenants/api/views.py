@@ -6,10 +6,9 @@ from datetime import date, timedelta
 
 from django.utils import timezone
 from rest_framework import serializers
-from rest_framework.response import Response
 
+from core.api.base import ApiView, StrictSerializer, validated
 from core.errors import InvalidRequestError
-from tenants.api.base import StrictSerializer, TenantApiView
 from tenants.selectors import GROUP_BY_CHOICES, usage_summary
 
 MAX_RANGE_DAYS = 366
@@ -26,7 +25,7 @@ def _day_in_bounds(value: date) -> date:
     return value
 
 
-class UsageListApi(TenantApiView):
+class UsageListApi(ApiView):
     """Usage of the calling key's tenant, in buckets per day, model or key."""
 
     class InputSerializer(StrictSerializer):
@@ -61,24 +60,21 @@ class UsageListApi(TenantApiView):
             return data
 
     def get(self, request):
-        params = self.InputSerializer(data=request.query_params)
-        params.is_valid(raise_exception=True)
-        end = params.validated_data.get("end") or timezone.now().date()
-        start = params.validated_data.get("start") or end - timedelta(days=29)
+        params = validated(self.InputSerializer, request.GET)
+        end = params.get("end") or timezone.now().date()
+        start = params.get("start") or end - timedelta(days=29)
         if start > end:
             raise InvalidRequestError("start must not be after end.", param="start", code="invalid_range")
         if (end - start).days >= MAX_RANGE_DAYS:
             raise InvalidRequestError(
                 f"The range may span at most {MAX_RANGE_DAYS} days.", param="start", code="invalid_range"
             )
-        group_by = params.validated_data["group_by"]
-        buckets = usage_summary(tenant_id=request.auth.tenant_id, start=start, end=end, group_by=group_by)
-        return Response(
-            {
-                "object": "list",
-                "start": start.isoformat(),
-                "end": end.isoformat(),
-                "group_by": group_by,
-                "data": self.OutputSerializer(buckets, many=True).data,
-            }
-        )
+        group_by = params["group_by"]
+        buckets = usage_summary(tenant_id=self.auth.tenant_id, start=start, end=end, group_by=group_by)
+        return {
+            "object": "list",
+            "start": start.isoformat(),
+            "end": end.isoformat(),
+            "group_by": group_by,
+            "data": self.OutputSerializer(buckets, many=True).data,
+        }

@@ -17,29 +17,31 @@ from django.http import Http404, HttpRequest, HttpResponse
 from core import errors
 from tenants.models import Membership, Tenant
 from tenants.selectors import membership_get, tenant_get_for_user
-from tenants.services.tenants import KEY_MANAGER_ROLES
+from tenants.services import membership_can_manage, membership_require_manager
 
 
 @dataclass(frozen=True, slots=True)
 class TenantAccess:
+    user: object
     tenant: Tenant
     membership: Membership
     memberships: list[Membership]
 
     @property
-    def can_manage_keys(self) -> bool:
-        return self.membership.role in KEY_MANAGER_ROLES
+    def can_manage(self) -> bool:
+        """Whether the user may manage the tenant's keys and adapters (the services decide)."""
+        return membership_can_manage(membership=self.membership)
 
-    def require_key_manager(self) -> None:
-        if not self.can_manage_keys:
-            raise PermissionDenied("Only owners and admins can manage API keys.")
+    def require_manager(self, *, what: str) -> None:
+        """PermissionDeniedError (a 403 page) unless the services let the user manage `what`."""
+        membership_require_manager(user=self.user, tenant_id=self.tenant.pk, what=what)
 
     def context(self, **extra) -> dict:
         return {
             "tenant": self.tenant,
             "membership": self.membership,
             "memberships": self.memberships,
-            "can_manage_keys": self.can_manage_keys,
+            "can_manage_keys": self.can_manage,
             **extra,
         }
 
@@ -55,7 +57,9 @@ def memberships_for_user(*, user) -> list[Membership]:
 def tenant_access(*, user, slug: str) -> TenantAccess:
     tenant = tenant_get_for_user(user=user, slug=slug)
     membership = membership_get(user=user, tenant_id=tenant.pk)
-    return TenantAccess(tenant=tenant, membership=membership, memberships=memberships_for_user(user=user))
+    return TenantAccess(
+        user=user, tenant=tenant, membership=membership, memberships=memberships_for_user(user=user)
+    )
 
 
 def tenant_page(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:

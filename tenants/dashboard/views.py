@@ -94,7 +94,7 @@ def keys(request: HttpRequest, access: TenantAccess) -> HttpResponse:
 @require_POST
 @tenant_page
 def key_create(request: HttpRequest, access: TenantAccess) -> HttpResponse:
-    access.require_key_manager()
+    access.require_manager(what="API keys")
     form = ApiKeyCreateForm(request.POST)
     if not form.is_valid():
         return _keys_page(request, access, form, status=400)
@@ -131,7 +131,7 @@ def key_detail(request: HttpRequest, access: TenantAccess, key_id: int) -> HttpR
 @tenant_page
 def key_revoke(request: HttpRequest, access: TenantAccess, key_id: int) -> HttpResponse:
     api_key = _tenant_key(request, access, key_id)
-    access.require_key_manager()
+    access.require_manager(what="API keys")
     if request.method == "GET":
         return render(
             request, "dashboard/key_revoke_confirm.html", access.context(active_tab="keys", key=api_key)

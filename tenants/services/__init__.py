@@ -12,6 +12,7 @@ from tenants.services.admission import (
 )
 from tenants.services.api_keys import (
     api_key_authenticate,
+    api_key_authenticate_header,
     api_key_create,
     api_key_digest,
     api_key_revoke,
@@ -21,7 +22,9 @@ from tenants.services.api_keys import (
 from tenants.services.tenants import (
     api_key_create_for_member,
     api_key_revoke_for_member,
+    membership_can_manage,
     membership_create,
+    membership_require_manager,
     tenant_create,
     tenant_limits_update,
     tenant_set_active,
@@ -32,6 +35,7 @@ __all__ = [
     "admission_reserve",
     "admission_settle",
     "api_key_authenticate",
+    "api_key_authenticate_header",
     "api_key_create",
     "api_key_create_for_member",
     "api_key_digest",
@@ -39,7 +43,9 @@ __all__ = [
     "api_key_revoke_for_member",
     "auth_cache_invalidate",
     "bearer_token",
+    "membership_can_manage",
     "membership_create",
+    "membership_require_manager",
     "model_access_check",
     "quota_period",
     "request_admit",

@@ -199,6 +199,11 @@ def api_key_authenticate(*, raw_key: str) -> AuthContext:
     return context
 
 
+def api_key_authenticate_header(*, authorization: str | None) -> AuthContext:
+    """The AuthContext of an `Authorization: Bearer <key>` header value, or AuthenticationError."""
+    return api_key_authenticate(raw_key=bearer_token(authorization=authorization))
+
+
 def bearer_token(*, authorization: str | None) -> str:
     """The key from an `Authorization: Bearer <key>` header value, or AuthenticationError."""
     scheme, _, token = (authorization or "").strip().partition(" ")

@@ -19,7 +19,8 @@ _LIMIT_FIELDS = (
     "allowed_models",
 )
 # Members read; owners and admins also create and revoke keys.
-KEY_MANAGER_ROLES = frozenset({Membership.Role.OWNER, Membership.Role.ADMIN})
+# Owners and admins manage a tenant's API keys and LoRA adapters; members only read.
+MANAGER_ROLES = frozenset({Membership.Role.OWNER, Membership.Role.ADMIN})
 
 
 @transaction.atomic
@@ -73,10 +74,16 @@ def membership_create(*, tenant: Tenant, user, role: str = Membership.Role.MEMBE
     return membership
 
 
-def _key_manager(*, user, tenant_id: int) -> Membership:
-    membership = membership_get(user=user, tenant_id=tenant_id)  # NotFoundError for outsiders
-    if membership.role not in KEY_MANAGER_ROLES:
-        raise PermissionDeniedError("Only owners and admins can manage API keys.")
+def membership_can_manage(*, membership: Membership) -> bool:
+    return membership.role in MANAGER_ROLES
+
+
+def membership_require_manager(*, user, tenant_id: int, what: str = "API keys") -> Membership:
+    """The user's membership when it may manage the tenant's `what`; NotFoundError for outsiders,
+    PermissionDeniedError for members."""
+    membership = membership_get(user=user, tenant_id=tenant_id)
+    if not membership_can_manage(membership=membership):
+        raise PermissionDeniedError(f"Only owners and admins can manage {what}.")
     return membership
 
 
@@ -84,12 +91,12 @@ def api_key_create_for_member(
     *, user, tenant_id: int, name: str, expires_at: datetime | None = None
 ) -> tuple[ApiKey, str]:
     """Owners and admins create keys; members only read. Returns the key and its raw secret."""
-    membership = _key_manager(user=user, tenant_id=tenant_id)
+    membership = membership_require_manager(user=user, tenant_id=tenant_id)
     return api_key_create(tenant=membership.tenant, name=name, created_by=user, expires_at=expires_at)
 
 
 def api_key_revoke_for_member(*, user, api_key_id: int) -> ApiKey:
     """Owners and admins revoke their tenant's keys (NotFoundError for anyone outside it)."""
     api_key = api_key_get_for_user(user=user, api_key_id=api_key_id)
-    _key_manager(user=user, tenant_id=api_key.tenant_id)
+    membership_require_manager(user=user, tenant_id=api_key.tenant_id)
     return api_key_revoke(api_key=api_key)

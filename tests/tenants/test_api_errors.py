@@ -182,7 +182,7 @@ def test_a_crash_inside_an_async_view_is_a_json_500_not_an_html_page(client, mon
     assert "a bug" not in response.content.decode()
 
 
-def test_a_crash_inside_a_drf_view_is_a_json_500_not_an_html_page(client, monkeypatch):
+def test_a_crash_inside_a_sync_view_is_a_json_500_not_an_html_page(client, monkeypatch):
     from tenants.api import views
 
     def broken(**kwargs):

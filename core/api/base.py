@@ -1,0 +1,145 @@
+"""The one base of every /v1 view, sync or async handlers alike.
+
+For each request it: assigns the request id (sent back as `x-request-id` on every answer, errors
+included); authenticates the API key; counts the request against the tenant's requests/min limit
+unless the view's own admission does (generations reserve tokens and count the request there);
+runs the handler (a sync handler runs in a thread, so it may use the ORM); and renders any error
+in OpenAI's shape with `core.api.exceptions.error_response`, the one renderer.
+
+Who authenticates and who counts requests is configured, as DRF configures its authentication
+classes, so this package depends on no app: `API_AUTHENTICATE` is called as
+`f(authorization=<header value>)` and returns the caller's context (it raises a PlatformError to
+refuse); `API_REQUEST_ADMIT` is called as `f(auth=<context>, request_id=...)` and returns the
+x-ratelimit-* headers (it raises RateLimitError when over).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from functools import cache
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.utils.decorators import method_decorator
+from django.utils.module_loading import import_string
+from django.views import View
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework import serializers
+from rest_framework.exceptions import ErrorDetail
+
+from core.api.exceptions import error_response, to_platform_error
+from core.errors import InvalidRequestError, MethodNotAllowedError, PlatformError
+from core.request_ids import new_request_id
+
+
+@cache
+def _configured(name: str) -> Callable[..., Any]:
+    return import_string(getattr(settings, name))
+
+
+def unknown_field_error(name: str) -> serializers.ValidationError:
+    """OpenAI's answer to a field it does not know: "Unrecognized request argument supplied"."""
+    message = f"Unrecognized request argument supplied: {name}"
+    return serializers.ValidationError({name: [ErrorDetail(message, code="unknown_parameter")]})
+
+
+class StrictSerializer(serializers.Serializer):
+    """Input serializer that refuses unknown fields."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, Mapping):
+            unknown = [name for name in data if name not in self.fields]
+            if unknown:
+                raise unknown_field_error(unknown[0])
+        return super().to_internal_value(data)
+
+
+def validated(serializer_class: type[serializers.Serializer], data: Any) -> dict[str, Any]:
+    """The serializer's validated data, or the InvalidRequestError naming the first bad field."""
+    serializer = serializer_class(data=data)
+    try:
+        serializer.is_valid(raise_exception=True)
+    except serializers.ValidationError as exc:
+        raise to_platform_error(exc) from exc
+    return dict(serializer.validated_data)
+
+
+def json_body(request: HttpRequest) -> dict[str, Any]:
+    """The request body as a JSON object, or an InvalidRequestError saying why it is not one."""
+    if request.content_type and request.content_type != "application/json":
+        raise InvalidRequestError("The request body must be JSON (Content-Type: application/json).")
+    try:
+        body = json.loads(request.body or b"null")
+    # RecursionError: nesting deeper than the parser's stack is bad input too, not a crash.
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InvalidRequestError(
+            f"We could not parse the JSON body of your request. ({exc})", code="invalid_json"
+        ) from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    return body
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+class ApiView(View):
+    """Handlers (`get`, `post`, `delete`, ...) are sync or async, take the request and the URL's
+    arguments, and return an HttpResponse or JSON-serialisable data (answered with 200). They
+    find the caller in `self.auth` and the request id in `self.request_id`."""
+
+    # False where the view's own admission counts the request (and its tokens) instead.
+    counts_request = True
+    # Always dispatched as a coroutine: the handlers below may be sync or async.
+    view_is_async = True
+
+    auth: Any = None
+    request_id: str = ""
+    ratelimit_headers: dict[str, str]
+
+    async def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        self.request_id = new_request_id()
+        self.ratelimit_headers = {}
+        try:
+            response = await self._handle(request, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - rendered in the API's shape (an unknown one is logged)
+            if isinstance(exc, PlatformError) and exc.status_code == 429:
+                self.ratelimit_headers = {}  # the error carries its own, fresher ones
+            response = error_response(exc)
+        for name, value in self.ratelimit_headers.items():
+            if not response.has_header(name):
+                response[name] = value
+        response["x-request-id"] = self.request_id
+        return response
+
+    async def _handle(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        method = request.method.lower()
+        handler = getattr(self, method, None) if method in self.http_method_names else None
+        if method == "options" or handler is None:
+            return self._without_handler(request)
+        self.auth = await self.authenticate(request)
+        if self.counts_request:
+            self.ratelimit_headers = await sync_to_async(_configured("API_REQUEST_ADMIT"))(
+                auth=self.auth, request_id=self.request_id
+            )
+        if iscoroutinefunction(handler):
+            result = await handler(request, *args, **kwargs)
+        else:
+            result = await sync_to_async(handler)(request, *args, **kwargs)
+        return result if isinstance(result, HttpResponseBase) else JsonResponse(result, safe=False)
+
+    def _without_handler(self, request: HttpRequest) -> HttpResponseBase:
+        allowed = ", ".join(m.upper() for m in self.http_method_names if m != "options" and hasattr(self, m))
+        if request.method.lower() == "options":
+            response = HttpResponse(status=204)
+        else:
+            response = error_response(
+                MethodNotAllowedError(f"Method {request.method} is not allowed on {request.path}.")
+            )
+        response["Allow"] = f"{allowed}, OPTIONS" if allowed else "OPTIONS"
+        return response
+
+    async def authenticate(self, request: HttpRequest) -> Any:
+        authenticate = _configured("API_AUTHENTICATE")
+        return await sync_to_async(authenticate)(authorization=request.headers.get("Authorization"))

@@ -1,0 +1,66 @@
+"""The bodies of the generation endpoints, validated the same way whichever transport carries
+them (REST or the websocket)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from core.api.base import validated
+from core.api.exceptions import to_platform_error
+from core.errors import InvalidRequestError
+from engine.rules import MAX_LOGPROBS
+from inference.api.fields import MessagesField, PromptField, SamplingInputSerializer, refuse_unsupported
+
+
+class ChatCompletionInputSerializer(SamplingInputSerializer):
+    messages = MessagesField()
+    max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    logprobs = serializers.BooleanField(required=False, allow_null=True, default=False)
+    top_logprobs = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_LOGPROBS
+    )
+    response_format = serializers.DictField(required=False, allow_null=True)
+
+    def validate_response_format(self, value: dict | None) -> dict | None:
+        if value is not None and value.get("type") != "text":
+            raise serializers.ValidationError("Only response_format {'type': 'text'} is supported.")
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        attrs = super().validate(attrs)
+        if attrs.get("top_logprobs") is not None and not attrs.get("logprobs"):
+            raise serializers.ValidationError({"top_logprobs": "top_logprobs requires logprobs to be true."})
+        return attrs
+
+
+class CompletionInputSerializer(SamplingInputSerializer):
+    prompt = PromptField()
+    logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_LOGPROBS)
+    echo = serializers.BooleanField(required=False, allow_null=True)
+    best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+
+    def validate_echo(self, value: bool | None) -> bool | None:
+        if value:
+            raise serializers.ValidationError("echo is not supported.")
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        attrs = super().validate(attrs)
+        best_of = attrs.get("best_of")
+        if best_of is not None and best_of != (attrs.get("n") or 1):
+            raise serializers.ValidationError({"best_of": "best_of other than n is not supported."})
+        return attrs
+
+
+def generation_input(body: Any, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
+    """A generation body's validated data; the first unsupported, unknown or invalid field is an
+    InvalidRequestError naming it."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        refuse_unsupported(body, set(serializer_class().fields))
+    except serializers.ValidationError as exc:
+        raise to_platform_error(exc) from exc
+    return validated(serializer_class, body)
