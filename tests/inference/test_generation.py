@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -13,7 +14,7 @@ from django.test import AsyncClient
 from core.redis_client import get_async_redis
 from core.request_ids import new_request_id
 from engine.protocol import cancel_request_id, cancel_stream
-from inference.services import ChoiceDelta, Generation, chat_plan_create
+from inference.services import ChoiceDelta, Generation, generation_start
 from tenants.models import UsageRecord
 from tenants.services import api_key_authenticate
 from tests.inference.conftest import make_world, queued_requests, running_engine_worker
@@ -21,11 +22,11 @@ from tests.inference.conftest import make_world, queued_requests, running_engine
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-async def _generation(world, **extra) -> Generation:
+async def _start(world, **extra) -> tuple[Generation, AsyncIterator]:
+    """A chat generation admitted and queued, as the REST views and the websocket start one."""
     auth = await sync_to_async(api_key_authenticate)(raw_key=world.raw_key_a)
     data = {"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, **extra}
-    plan = await sync_to_async(chat_plan_create)(auth=auth, data=data, request_id=new_request_id())
-    return Generation(auth=auth, plan=plan)
+    return await generation_start(auth=auth, kind="chat", data=data, request_id=new_request_id())
 
 
 async def _cancels(world) -> list[str]:
@@ -47,9 +48,7 @@ async def _until_idle(worker) -> object:
 async def test_a_generation_closed_mid_stream_signals_abort_and_bills_only_delivered_tokens(
     world, engine_worker
 ):
-    generation = await _generation(world, max_tokens=200, ignore_eos=True)
-    events = generation.run()
-    assert await anext(events) is None  # admitted and queued
+    generation, events = await _start(world, max_tokens=200, ignore_eos=True)
     first = await anext(events)
     assert isinstance(first, ChoiceDelta) and first.token_ids
 
@@ -68,9 +67,7 @@ async def test_a_generation_closed_mid_stream_signals_abort_and_bills_only_deliv
 
 
 async def test_a_cancelled_task_still_settles_once(world, engine_worker):
-    generation = await _generation(world, max_tokens=200, ignore_eos=True)
-    events = generation.run()
-    await anext(events)
+    generation, events = await _start(world, max_tokens=200, ignore_eos=True)
     first_token = asyncio.Event()
 
     async def drain():
