@@ -13,6 +13,9 @@ from typing import Any
 # --- OpenAI request limits --------------------------------------------------------------------------
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
+# Characters per stop string: stop matching costs (new text + longest stop) per step, so one request
+# with a huge stop string would slow the step loop every tenant on the replica shares.
+MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # OpenAI's ceiling on `top_logprobs`
 MAX_N = 128  # OpenAI's limit on `n`
 

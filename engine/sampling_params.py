@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engine.rules import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from engine.rules import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would only overflow.
 _SAMPLING_EPS = 1e-5
@@ -120,6 +120,11 @@ class SamplingParams:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError("stop", f"each stop string must be a non-empty string, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise SamplingParamsError(
+                    "stop",
+                    f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}",
+                )
         return list(stop)
 
     @property

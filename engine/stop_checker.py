@@ -101,13 +101,19 @@ class StopChecker:
         self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
 
     def _partial_stop_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        """Length of the longest tail of the text that is a proper prefix of a stop string.
+
+        Only the last len(stop) - 1 characters can hold one, and only where the stop string's
+        first character occurs: the cost does not grow with the output."""
         longest = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:k]):
-                    longest = k
+            window = self.text[-(len(s) - 1) :] if len(s) > 1 else ""
+            i = window.find(s[0])
+            while i != -1 and len(window) - i > longest:
+                if s.startswith(window[i:]):
+                    longest = len(window) - i
                     break
+                i = window.find(s[0], i + 1)
         return longest
 
     def _release(self, end: int) -> str:

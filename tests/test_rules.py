@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rest_framework import serializers
 
 from engine import rules
 
@@ -113,3 +114,17 @@ def test_web_tier_and_engine_agree_on_the_context_length(config: dict, length: i
 def test_a_non_positive_context_length_is_refused() -> None:
     with pytest.raises(ValueError, match="must be positive"):
         rules.model_context_length({"max_position_embeddings": 0})
+
+
+def test_stop_string_limits_are_the_same_on_both_sides() -> None:
+    from engine.sampling_params import SamplingParams, SamplingParamsError
+    from inference.api.fields import StopField
+
+    longest = "x" * rules.MAX_STOP_STRING_CHARS
+    most = ["a", "b", "c", longest]
+    assert StopField().to_internal_value(most) == SamplingParams(stop=most).stop == most
+    for refused in (["x" * (rules.MAX_STOP_STRING_CHARS + 1)], ["a"] * (rules.MAX_STOP_STRINGS + 1)):
+        with pytest.raises(serializers.ValidationError):
+            StopField().to_internal_value(refused)
+        with pytest.raises(SamplingParamsError):
+            SamplingParams(stop=refused)

@@ -7,7 +7,7 @@ from typing import Any
 from rest_framework import serializers
 
 from core.api.base import unknown_field_error
-from engine.rules import MAX_N, MAX_STOP_STRINGS
+from engine.rules import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
 UNSUPPORTED_FIELDS = frozenset(
@@ -34,7 +34,7 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 
 
 class StopField(serializers.Field):
-    """`stop`: a string or a list of up to four non-empty strings (null: none)."""
+    """`stop`: a string or a list of up to four non-empty strings of bounded length (null: none)."""
 
     def to_internal_value(self, data: Any) -> list[str]:
         if data is None:
@@ -47,6 +47,10 @@ class StopField(serializers.Field):
             raise serializers.ValidationError(f"stop takes at most {MAX_STOP_STRINGS} strings.")
         if not all(isinstance(s, str) and s for s in data):
             raise serializers.ValidationError("Each stop sequence must be a non-empty string.")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in data):
+            raise serializers.ValidationError(
+                f"Each stop sequence may be at most {MAX_STOP_STRING_CHARS} characters long."
+            )
         return list(data)
 
     def to_representation(self, value: Any) -> Any:

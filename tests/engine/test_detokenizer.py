@@ -288,3 +288,35 @@ def _final(text: str, stops: list[str], include: bool) -> str:
         return text
     end, start = min(matches)
     return text[:end] if include else text[:start]
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Reference: the longest tail of the text that is a proper prefix of a stop string."""
+    return max(
+        (k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+        default=0,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    deltas=st.lists(st.text(alphabet="aab#", min_size=1, max_size=6), max_size=8),
+    stops=st.lists(st.text(alphabet="ab#", min_size=1, max_size=6), min_size=1, max_size=4),
+)
+def test_only_a_tail_that_may_still_become_a_stop_string_is_held_back(deltas, stops):
+    checker = StopChecker(stops)
+    streamed = ""
+    for delta in deltas:
+        streamed += checker.add_text(delta)
+        if checker.stop_str is not None:
+            break
+        assert len(checker.text) - len(streamed) == _held_back(checker.text, stops)
+
+
+def test_stop_strings_longer_than_the_limit_are_refused_by_the_engine():
+    from engine.rules import MAX_STOP_STRING_CHARS
+    from engine.sampling_params import SamplingParamsError
+
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS])
+    with pytest.raises(SamplingParamsError, match="at most 256 characters"):
+        SamplingParams(stop=["ok", "x" * (MAX_STOP_STRING_CHARS + 1)])
