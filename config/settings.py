@@ -207,6 +207,14 @@ OUTPUT_STREAM_TTL = envint("PAGODA_OUTPUT_STREAM_TTL", 600, minimum=10)
 ADAPTER_MAX_BYTES = envint("PAGODA_ADAPTER_MAX_BYTES", 512 * 1024 * 1024, minimum=1)
 ADAPTER_MAX_RANK = envint("PAGODA_ADAPTER_MAX_RANK", 64, minimum=1)
 ADAPTER_MAX_PER_TENANT = envint("PAGODA_ADAPTER_MAX_PER_TENANT", 50, minimum=1)
+# The limits a new tenant starts with, finite so that a tenant nobody configured cannot take a whole
+# replica; operators change them per tenant in the admin (an empty field there means unlimited).
+TENANT_DEFAULT_LIMITS = {
+    "requests_per_minute": envint("PAGODA_TENANT_DEFAULT_RPM", 600, minimum=1),
+    "tokens_per_minute": envint("PAGODA_TENANT_DEFAULT_TPM", 1_000_000, minimum=1),
+    "max_concurrent_requests": envint("PAGODA_TENANT_DEFAULT_CONCURRENCY", 32, minimum=1),
+    "monthly_token_quota": envint("PAGODA_TENANT_DEFAULT_MONTHLY_TOKENS", 100_000_000, minimum=1),
+}
 
 LOGGING = {
     "version": 1,

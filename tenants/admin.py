@@ -3,6 +3,7 @@ creation, revoke action, never the digest), the usage ledger with a per-day char
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.db import transaction
 from django.template.response import TemplateResponse
@@ -20,6 +21,13 @@ class TenantLimitsInline(admin.StackedInline):
     can_delete = False
     max_num = 1
     min_num = 1
+
+    def get_formset(self, request, obj=None, **kwargs):
+        formset = super().get_formset(request, obj, **kwargs)
+        # A new tenant's form starts at the default limits; emptied, a field means unlimited.
+        for name, value in settings.TENANT_DEFAULT_LIMITS.items():
+            formset.form.base_fields[name].initial = value
+        return formset
 
 
 class MembershipInline(admin.TabularInline):

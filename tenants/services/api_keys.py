@@ -117,7 +117,8 @@ def _context_from_row(api_key: ApiKey) -> AuthContext:
     try:
         limits = api_key.tenant.limits
     except TenantLimits.DoesNotExist:
-        limits = TenantLimits(tenant=api_key.tenant)  # unsaved: unlimited rates, no models
+        # Unsaved: the default limits, no models.
+        limits = TenantLimits(tenant=api_key.tenant, **settings.TENANT_DEFAULT_LIMITS)
     tenant_models = [m for m in (limits.allowed_models or []) if isinstance(m, str)]
     if api_key.allowed_models is None:
         allowed = tenant_models

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 
 from core.errors import PermissionDeniedError
@@ -23,26 +25,42 @@ _LIMIT_FIELDS = (
 MANAGER_ROLES = frozenset({Membership.Role.OWNER, Membership.Role.ADMIN})
 
 
+class _Default:
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+# A limit not given: the setting's (TENANT_DEFAULT_LIMITS). None: unlimited.
+DEFAULT: Any = _Default()
+
+
+def tenant_default_limits() -> dict[str, int | None]:
+    return dict(settings.TENANT_DEFAULT_LIMITS)
+
+
 @transaction.atomic
 def tenant_create(
     *,
     name: str,
     slug: str,
-    requests_per_minute: int | None = None,
-    tokens_per_minute: int | None = None,
-    max_concurrent_requests: int | None = None,
-    monthly_token_quota: int | None = None,
+    requests_per_minute: int | None = DEFAULT,
+    tokens_per_minute: int | None = DEFAULT,
+    max_concurrent_requests: int | None = DEFAULT,
+    monthly_token_quota: int | None = DEFAULT,
     allowed_models: list[str] | None = None,
 ) -> Tenant:
+    """A tenant and its limits: each limit not given is the TENANT_DEFAULT_LIMITS setting's, None
+    is unlimited."""
+    given = {
+        "requests_per_minute": requests_per_minute,
+        "tokens_per_minute": tokens_per_minute,
+        "max_concurrent_requests": max_concurrent_requests,
+        "monthly_token_quota": monthly_token_quota,
+    }
+    defaults = tenant_default_limits()
+    limits = {name: defaults.get(name) if value is DEFAULT else value for name, value in given.items()}
     tenant = Tenant.objects.create(name=name, slug=slug)
-    TenantLimits.objects.create(
-        tenant=tenant,
-        requests_per_minute=requests_per_minute,
-        tokens_per_minute=tokens_per_minute,
-        max_concurrent_requests=max_concurrent_requests,
-        monthly_token_quota=monthly_token_quota,
-        allowed_models=list(allowed_models or []),
-    )
+    TenantLimits.objects.create(tenant=tenant, allowed_models=list(allowed_models or []), **limits)
     return tenant
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -49,7 +50,7 @@ def test_key_authenticates_to_its_tenant_and_key(world):
     assert context.api_key_id == world.key_a.pk
     assert context.api_key_prefix == world.key_a.display_prefix
     assert context.allowed_models == (MODEL, "other-model")
-    assert context.tenant_limits.requests_per_minute is None
+    assert context.tenant_limits.requests_per_minute == settings.TENANT_DEFAULT_LIMITS["requests_per_minute"]
 
 
 def test_a_wrong_secret_behind_a_real_prefix_is_refused(world):
@@ -97,7 +98,10 @@ def test_key_of_an_inactive_tenant_is_refused(world):
 
 @pytest.mark.django_db(transaction=True)
 def test_limit_changes_reach_cached_contexts_at_once(world):
-    assert api_key_authenticate(raw_key=world.raw_key_a).tenant_limits.requests_per_minute is None
+    assert (
+        api_key_authenticate(raw_key=world.raw_key_a).tenant_limits.requests_per_minute
+        == settings.TENANT_DEFAULT_LIMITS["requests_per_minute"]
+    )
     tenant_limits_update(tenant=world.tenant_a, requests_per_minute=7)
     assert api_key_authenticate(raw_key=world.raw_key_a).tenant_limits.requests_per_minute == 7
 

@@ -167,7 +167,7 @@ def test_exhausted_quota_gives_insufficient_quota_and_should_not_retry(world):
     assert body["error"]["type"] == "insufficient_quota"
     assert body["error"]["code"] == "insufficient_quota"
     # Refused: nothing counted; a settle below the reservation frees quota again.
-    assert limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 0
+    assert limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 1  # the admitted one's slot only
     admission_settle(reservation=fits, prompt_tokens=40, completion_tokens=10)
     period = timezone.now().strftime("%Y-%m")
     assert limiter.quota_counter_value(tenant_id=world.tenant_a.pk, period=period) == 950
