@@ -5,11 +5,15 @@ from django.urls import include, path, re_path
 
 from core.api.views import v1_not_found
 from inference import health
+from inference.api.tokens import DetokenizeApi, TokenizeApi
 
 urlpatterns = [
     path("health", health.health),
     path("ready", health.ready),
     path("metrics", health.metrics),
+    # vLLM serves these beside /v1, not under it.
+    path("tokenize", TokenizeApi.as_view(), name="tokenize"),
+    path("detokenize", DetokenizeApi.as_view(), name="detokenize"),
     path("admin/", admin.site.urls),
     path("dashboard/", include("tenants.dashboard.urls")),
     path("dashboard/", include("inference.dashboard.urls")),

@@ -42,8 +42,8 @@ def chat_prompt_ids(model_path: str, messages: list[dict[str, str]]) -> list[int
         raise InvalidRequestError(str(exc), param="messages") from exc
 
 
-def text_prompt_ids(model_path: str, text: str) -> list[int]:
-    return list(get_tokenizer(model_path).encode(text, add_special_tokens=True))
+def text_prompt_ids(model_path: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    return list(get_tokenizer(model_path).encode(text, add_special_tokens=add_special_tokens))
 
 
 def vocab_size(model_path: str) -> int:

@@ -121,3 +121,17 @@ def chunk(
     if plan.include_usage:
         body["usage"] = usage_body(usage) if usage is not None else None
     return body
+
+
+def model_object(*, deployment, adapter=None, tenant_slug: str) -> dict[str, Any]:
+    """A base model, or a tenant's adapter as vLLM lists LoRA modules (its base model as parent)."""
+    if adapter is None:
+        created = int(deployment.created_at.timestamp())
+        return {"id": deployment.name, "object": "model", "created": created, "owned_by": "pagoda"}
+    return {
+        "id": adapter.name,
+        "object": "model",
+        "created": int(adapter.created_at.timestamp()),
+        "owned_by": tenant_slug,
+        "parent": deployment.name,
+    }

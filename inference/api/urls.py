@@ -3,10 +3,12 @@ from __future__ import annotations
 from django.urls import path
 
 from inference.api.adapters import AdapterDetailApi, AdapterListCreateApi
-from inference.api.views import ChatCompletionCreateApi, CompletionCreateApi, ModelListApi
+from inference.api.views import ChatCompletionCreateApi, CompletionCreateApi, ModelListApi, ModelRetrieveApi
 
 urlpatterns = [
     path("models", ModelListApi.as_view(), name="v1-models"),
+    # Model names may hold slashes (org/name), as OpenAI's and vLLM's do.
+    path("models/<path:model>", ModelRetrieveApi.as_view(), name="v1-model-detail"),
     path("completions", CompletionCreateApi.as_view(), name="v1-completions"),
     path("chat/completions", ChatCompletionCreateApi.as_view(), name="v1-chat-completions"),
     path("adapters", AdapterListCreateApi.as_view(), name="v1-adapters"),

@@ -12,27 +12,29 @@ from inference.api import formatting
 from inference.api.base import GenerationApi
 from inference.api.serializers import ChatCompletionInputSerializer, CompletionInputSerializer
 from inference.selectors import adapter_list_servable, deployment_list_for_caller
+from inference.services import served_model_resolve
 
 
 class ModelListApi(ApiView):
     async def get(self, request: HttpRequest) -> dict[str, Any]:
         deployments = await sync_to_async(deployment_list_for_caller)(auth=self.auth)
         adapters = await sync_to_async(adapter_list_servable)(auth=self.auth)
-        data = [
-            {"id": d.name, "object": "model", "created": int(d.created_at.timestamp()), "owned_by": "pagoda"}
-            for d in deployments
-        ] + [
-            # As vLLM lists LoRA modules: the adapter by name, its base model as parent.
-            {
-                "id": a.name,
-                "object": "model",
-                "created": int(a.created_at.timestamp()),
-                "owned_by": self.auth.tenant_slug,
-                "parent": a.base_model.name,
-            }
-            for a in adapters
+        slug = self.auth.tenant_slug
+        data = [formatting.model_object(deployment=d, tenant_slug=slug) for d in deployments] + [
+            formatting.model_object(deployment=a.base_model, adapter=a, tenant_slug=slug) for a in adapters
         ]
         return {"object": "list", "data": data}
+
+
+class ModelRetrieveApi(ApiView):
+    """One model as GET /v1/models lists it; another tenant's adapter is model_not_found, exactly
+    as a name that does not exist."""
+
+    async def get(self, request: HttpRequest, model: str) -> dict[str, Any]:
+        served = await sync_to_async(served_model_resolve)(auth=self.auth, model=model)
+        return formatting.model_object(
+            deployment=served.deployment, adapter=served.adapter, tenant_slug=self.auth.tenant_slug
+        )
 
 
 class ChatCompletionCreateApi(GenerationApi):

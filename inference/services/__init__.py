@@ -11,7 +11,14 @@ from inference.services.generation import (
     collect_choices,
     generation_start,
 )
-from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
+from inference.services.plans import (
+    GenerationPlan,
+    ServedModel,
+    chat_plan_create,
+    completion_plan_create,
+    served_model_resolve,
+)
+from inference.services.tokens import Tokenized, prompt_tokenize, tokens_detokenize
 
 __all__ = [
     "ChoiceDelta",
@@ -26,4 +33,9 @@ __all__ = [
     "deployment_register",
     "generation_start",
     "model_context_limit",
+    "prompt_tokenize",
+    "served_model_resolve",
+    "ServedModel",
+    "Tokenized",
+    "tokens_detokenize",
 ]

@@ -69,7 +69,9 @@ class GenerationPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class _Target:
+class ServedModel:
+    """What a request's `model` names: a base deployment, or the caller's adapter on one."""
+
     deployment: ModelDeployment
     adapter: LoraAdapter | None = None
 
@@ -86,7 +88,7 @@ class _Target:
         return fields
 
 
-def _resolve(*, auth: AuthContext, model: str) -> _Target:
+def served_model_resolve(*, auth: AuthContext, model: str) -> ServedModel:
     """A base model the caller may use, or the name of one of the caller's own ready adapters.
 
     Adapter names are looked up in the caller's tenant only: another tenant's adapter is
@@ -96,11 +98,11 @@ def _resolve(*, auth: AuthContext, model: str) -> _Target:
         deployment = deployment_get_enabled(name=model)
         if deployment is None:
             raise model_not_found(model)
-        return _Target(deployment)
+        return ServedModel(deployment)
     adapter = adapter_get_servable(auth=auth, name=model)
     if adapter is None:
         raise model_not_found(model)
-    return _Target(adapter.base_model, adapter)
+    return ServedModel(adapter.base_model, adapter)
 
 
 def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, param: str) -> None:
@@ -133,7 +135,7 @@ def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
-    target = _resolve(auth=auth, model=data["model"])
+    target = served_model_resolve(auth=auth, model=data["model"])
     deployment = target.deployment
     prompt = tokenization.chat_prompt_ids(deployment.model_path, data["messages"])
     requested = data.get("max_completion_tokens") or data.get("max_tokens")
@@ -164,7 +166,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
 
 
 def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
-    target = _resolve(auth=auth, model=data["model"])
+    target = served_model_resolve(auth=auth, model=data["model"])
     deployment = target.deployment
     vocab = tokenization.vocab_size(deployment.model_path)
     prompts: list[list[int]] = []

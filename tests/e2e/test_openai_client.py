@@ -116,6 +116,15 @@ def test_models_lists_the_model_to_the_tenant_allowed_to_use_it_and_not_to_the_o
     assert [m.id for m in world.b.models.list()] == []
 
 
+def test_models_retrieve_answers_the_tenant_allowed_and_404s_the_outsider(world):
+    model = world.a.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "pagoda")
+    assert model == world.a.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as refused:
+        world.b.models.retrieve(MODEL)
+    assert refused.value.code == "model_not_found"
+
+
 # --- streamed equals non-streamed ------------------------------------------------------------------
 
 

@@ -214,6 +214,27 @@ async def test_models_lists_the_callers_ready_adapters_with_their_parent(adapter
     assert [m["id"] for m in mine.json()["data"]] == [world.model]
 
 
+async def test_models_retrieve_answers_as_the_list_and_hides_other_tenants_adapters(adapter_world):
+    world = adapter_world
+    listed = (await AsyncClient().get("/v1/models", headers=world.headers())).json()["data"]
+
+    base = await AsyncClient().get(f"/v1/models/{world.model}", headers=world.headers())
+    adapter = await AsyncClient().get(f"/v1/models/{NAME}", headers=world.headers())
+    theirs = await AsyncClient().get(f"/v1/models/{NAME}", headers=world.headers(world.raw_key_b))
+    missing = await AsyncClient().get("/v1/models/org/no-such-model", headers=world.headers())
+
+    assert [base.json(), adapter.json()] == listed
+    assert base["x-request-id"] and adapter["x-ratelimit-remaining-requests"]
+    for refused, name in ((theirs, NAME), (missing, "org/no-such-model")):
+        assert refused.status_code == 404
+        assert refused.json()["error"] == {
+            "message": f"The model `{name}` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+
+
 def test_outsider_cannot_see_the_adapter(adapter_world):
     world = adapter_world
 

@@ -1,0 +1,51 @@
+"""vLLM's /tokenize and /detokenize: a served model's tokenizer, exactly as generation uses it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import InvalidRequestError
+from inference import tokenization
+from inference.services.plans import served_model_resolve
+from tenants.types import AuthContext
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    tokens: list[int]
+    token_strs: list[str]
+    max_model_len: int
+
+
+def prompt_tokenize(
+    *,
+    auth: AuthContext,
+    model: str,
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = True,
+) -> Tokenized:
+    """The token ids of a text prompt, or of a conversation rendered by the model's chat template
+    ready for the assistant's turn (what /v1/chat/completions would queue)."""
+    deployment = served_model_resolve(auth=auth, model=model).deployment
+    if messages is not None:
+        tokens = tokenization.chat_prompt_ids(deployment.model_path, messages)
+    else:
+        tokens = tokenization.text_prompt_ids(
+            deployment.model_path, prompt or "", add_special_tokens=add_special_tokens
+        )
+    tokenizer = tokenization.get_tokenizer(deployment.model_path)
+    return Tokenized(
+        tokens=tokens,
+        token_strs=tokenizer.convert_ids_to_tokens(tokens),
+        max_model_len=deployment.max_model_len,
+    )
+
+
+def tokens_detokenize(*, auth: AuthContext, model: str, tokens: list[int]) -> str:
+    deployment = served_model_resolve(auth=auth, model=model).deployment
+    vocab = tokenization.vocab_size(deployment.model_path)
+    if any(t >= vocab for t in tokens):
+        raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="tokens")
+    return tokenization.get_tokenizer(deployment.model_path).decode(tokens)
