@@ -3,6 +3,7 @@ outsider gets NotFoundError (404) for another tenant's objects, never a hint tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 
@@ -89,20 +90,25 @@ def quota_status(*, tenant: Tenant) -> QuotaStatus:
     return QuotaStatus(quota=quota, used=used, remaining=None if quota is None else max(quota - used, 0))
 
 
-def usage_summary(*, tenant_id: int, start: date, end: date, group_by: str) -> list[dict]:
-    """Buckets of the tenant's ledger between two days (both included), oldest/biggest first."""
-    if group_by not in GROUP_BY_CHOICES:
-        raise ValueError(f"group_by must be one of {GROUP_BY_CHOICES}")
+_GROUP_FIELDS = {
+    "day": (["day"], ["day"]),
+    "model": (["model"], ["model"]),
+    "key": (["api_key_id", "api_key__prefix", "api_key__name"], ["api_key_id"]),
+}
+
+
+def usage_summary(*, tenant_id: int, start: date, end: date, group_by: Sequence[str]) -> list[dict]:
+    """Buckets of the tenant's ledger between two days (both included), one per combination of the
+    `group_by` dimensions (day, model, key), ordered by them in that order."""
+    if not group_by or len(set(group_by)) != len(group_by) or not set(group_by) <= set(GROUP_BY_CHOICES):
+        raise ValueError(f"group_by must be distinct names of {GROUP_BY_CHOICES}")
     since = datetime.combine(start, time.min, tzinfo=UTC)
     until = datetime.combine(end, time.min, tzinfo=UTC) + timedelta(days=1)
     records = UsageRecord.objects.filter(tenant_id=tenant_id, created_at__gte=since, created_at__lt=until)
-    if group_by == "day":
+    if "day" in group_by:
         records = records.annotate(day=TruncDate("created_at", tzinfo=UTC))
-        fields, order = ["day"], ["day"]
-    elif group_by == "model":
-        fields, order = ["model"], ["model"]
-    else:
-        fields, order = ["api_key_id", "api_key__prefix", "api_key__name"], ["api_key_id"]
+    fields = [name for dimension in group_by for name in _GROUP_FIELDS[dimension][0]]
+    order = [name for dimension in group_by for name in _GROUP_FIELDS[dimension][1]]
     rows = (
         records.order_by()
         .values(*fields)

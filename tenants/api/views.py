@@ -31,7 +31,18 @@ class UsageListApi(ApiView):
     class InputSerializer(StrictSerializer):
         start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"], validators=[_day_in_bounds])
         end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"], validators=[_day_in_bounds])
-        group_by = serializers.ChoiceField(choices=GROUP_BY_CHOICES, default="day")
+        group_by = serializers.CharField(default="day")
+
+        def validate_group_by(self, value: str) -> tuple[str, ...]:
+            """One dimension or several, comma-separated: day, model, key."""
+            dimensions = tuple(part.strip() for part in value.split(","))
+            unknown = [d for d in dimensions if d not in GROUP_BY_CHOICES]
+            if unknown or len(set(dimensions)) != len(dimensions):
+                raise serializers.ValidationError(
+                    f"group_by takes distinct names of {', '.join(GROUP_BY_CHOICES)}, comma-separated.",
+                    code="invalid_choice",
+                )
+            return dimensions
 
     class OutputSerializer(serializers.Serializer):
         date = serializers.DateField(source="day", required=False)
@@ -75,6 +86,6 @@ class UsageListApi(ApiView):
             "object": "list",
             "start": start.isoformat(),
             "end": end.isoformat(),
-            "group_by": group_by,
+            "group_by": ",".join(group_by),
             "data": self.OutputSerializer(buckets, many=True).data,
         }

@@ -59,7 +59,7 @@ def usage_report(*, tenant_id: int, days: int, today: date) -> UsageReport:
     start = today - timedelta(days=days - 1)
     per_day = {
         row["day"]: _counts(row)
-        for row in usage_summary(tenant_id=tenant_id, start=start, end=today, group_by="day")
+        for row in usage_summary(tenant_id=tenant_id, start=start, end=today, group_by=("day",))
     }
     daily = []
     for offset in range(days):
@@ -67,7 +67,7 @@ def usage_report(*, tenant_id: int, days: int, today: date) -> UsageReport:
         daily.append({"day": day, **per_day.get(day, dict.fromkeys(_COUNTERS, 0))})
     by_model = [
         {"model": row["model"], **_counts(row)}
-        for row in usage_summary(tenant_id=tenant_id, start=start, end=today, group_by="model")
+        for row in usage_summary(tenant_id=tenant_id, start=start, end=today, group_by=("model",))
     ]
     by_model.sort(key=lambda r: (-(r["prompt_tokens"] + r["completion_tokens"]), r["model"]))
     totals = {name: sum(row[name] for row in daily) for name in _COUNTERS}

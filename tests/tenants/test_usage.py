@@ -143,6 +143,30 @@ def test_quota_used_this_month_counts_this_months_ledger_only(world):
     assert quota_used_this_month(tenant_id=world.tenant_a.pk) == 42
 
 
+def test_usage_api_groups_by_several_dimensions_at_once(world, api_client):
+    _record(world, "a1", prompt=10, completion=5, at=_at(DAY1, 3))
+    _record(world, "a2", prompt=1, completion=1, at=_at(DAY1, 4))
+    _record(world, "a3", model="other-model", prompt=20, completion=10, at=_at(DAY1, 5))
+    _record(world, "a4", prompt=7, completion=0, at=_at(DAY2, 3))
+    query = {"start": "2026-03-01", "end": "2026-03-31", "group_by": "day,model"}
+
+    body = api_client.get("/v1/usage", query, **bearer(world.raw_key_a)).json()
+
+    assert body["group_by"] == "day,model"
+    assert [(b["date"], b["model"], b["requests"], b["total_tokens"]) for b in body["data"]] == [
+        ("2026-03-09", "other-model", 1, 30),
+        ("2026-03-09", MODEL, 2, 17),
+        ("2026-03-10", MODEL, 1, 7),
+    ]
+
+
+@pytest.mark.parametrize("group_by", ["week", "day,day", "day,", "model,key,model"])
+def test_usage_api_refuses_unknown_or_repeated_dimensions(world, api_client, group_by):
+    response = api_client.get("/v1/usage", {"group_by": group_by}, **bearer(world.raw_key_a))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "group_by"
+
+
 def test_usage_api_groups_the_callers_tenant_only(world, api_client):
     _record(world, "a1", prompt=10, completion=5, cached=2, at=_at(DAY1, 3))
     _record(world, "a2", model="other-model", prompt=20, completion=10, status="error", at=_at(DAY2, 3))
