@@ -121,6 +121,10 @@ class UsageRecord(models.Model):
     time_to_first_token_ms = models.FloatField(null=True, blank=True)
     latency_ms = models.FloatField()
     status = models.CharField(max_length=16, choices=Status.choices)
+    # The caller's own identifiers, as the request carried them (OpenAI's safety_identifier, or the
+    # older `user`; prompt_cache_key): opaque ids for the tenant's reports, never text.
+    end_user = models.CharField(max_length=64, blank=True, default="")
+    prompt_cache_key = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
 
     class Meta:

@@ -30,7 +30,9 @@ UNSUPPORTED_FIELDS = frozenset(
     }
 )
 # Accepted and ignored: they change nothing about generation.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+IGNORED_FIELDS = frozenset({"service_tier"})
+# OpenAI's bounds on metadata (kept only with store, which this server refuses; checked all the same).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 class StopField(serializers.Field):
@@ -166,6 +168,31 @@ class SamplingInputSerializer(serializers.Serializer):
     min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     ignore_eos = serializers.BooleanField(required=False, allow_null=True)
     logit_bias = serializers.DictField(required=False, allow_null=True)
+    # The caller's identifiers, recorded in the usage ledger (safety_identifier and
+    # prompt_cache_key replace `user` in the current SDKs).
+    user = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
+    safety_identifier = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True, max_length=64
+    )
+    prompt_cache_key = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
+    metadata = serializers.DictField(
+        child=serializers.CharField(allow_blank=True, max_length=MAX_METADATA_VALUE),
+        required=False,
+        allow_null=True,
+    )
+    store = serializers.BooleanField(required=False, allow_null=True)
+
+    def validate_metadata(self, value: dict | None) -> dict | None:
+        if value and (len(value) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY for k in value)):
+            raise serializers.ValidationError(
+                f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} characters."
+            )
+        return value
+
+    def validate_store(self, value: bool | None) -> bool | None:
+        if value:
+            raise serializers.ValidationError("store is not supported: completions are not stored.")
+        return value
 
     def validate_top_p(self, value: float | None) -> float | None:
         if value is not None and value <= 0:

@@ -282,6 +282,8 @@ class Generation:
                 latency_ms=latency * 1000.0,
                 status=self.status,
                 request_id=self.plan.request_id,
+                end_user=self.plan.end_user,
+                prompt_cache_key=self.plan.prompt_cache_key,
             )
 
 

@@ -45,6 +45,8 @@ class GenerationPlan:
     stream: bool = False
     include_usage: bool = False
     adapter: str | None = None  # the tenant's LoRA adapter the request named, if any
+    end_user: str = ""  # safety_identifier (or the older `user`), for the ledger
+    prompt_cache_key: str = ""
     lora: LoRARef | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -128,6 +130,13 @@ def _sampling(data: dict[str, Any], *, n: int, max_tokens: int, logprobs: int | 
     return params
 
 
+def _caller_ids(data: dict[str, Any]) -> dict[str, str]:
+    return {
+        "end_user": data.get("safety_identifier") or data.get("user") or "",
+        "prompt_cache_key": data.get("prompt_cache_key") or "",
+    }
+
+
 def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
     stream = bool(data.get("stream"))
     include_usage = bool(stream and (data.get("stream_options") or {}).get("include_usage"))
@@ -162,6 +171,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
+        **_caller_ids(data),
     )
 
 
@@ -200,4 +210,5 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
+        **_caller_ids(data),
     )

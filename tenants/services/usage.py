@@ -32,6 +32,8 @@ def usage_record_create(
     latency_ms: float,
     status: str,
     request_id: str,
+    end_user: str = "",
+    prompt_cache_key: str = "",
 ) -> UsageRecord:
     """Write the request's ledger row. Calling again for the same request id returns that row."""
     if status not in UsageRecord.Status.values:
@@ -48,6 +50,8 @@ def usage_record_create(
         time_to_first_token_ms=time_to_first_token_ms,
         latency_ms=latency_ms,
         status=status,
+        end_user=end_user or "",
+        prompt_cache_key=prompt_cache_key or "",
     )
     try:
         # A savepoint, so a duplicate does not poison a caller's surrounding transaction.

@@ -221,6 +221,29 @@ def test_n2_returns_two_different_samples_streamed_as_non_streamed(world):
     assert reasons == {0: "length", 1: "length"}
 
 
+def test_the_current_sdk_fields_are_accepted_and_the_callers_ids_recorded(world):
+    reply = world.a.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        safety_identifier="user-7f3a",
+        prompt_cache_key="faq-v2",
+        metadata={"team": "support"},
+        store=False,
+    )
+    completion = world.a.completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="legacy-user")
+
+    assert reply.choices[0].finish_reason == "length"
+    chat_row, completion_row = ledger_row(reply.id), ledger_row(completion.id)
+    assert (chat_row.end_user, chat_row.prompt_cache_key) == ("user-7f3a", "faq-v2")
+    assert (completion_row.end_user, completion_row.prompt_cache_key) == ("legacy-user", "")
+    with pytest.raises(openai.BadRequestError) as refused:
+        world.a.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, store=True
+        )
+    assert refused.value.body["param"] == "store"
+
+
 def test_a_stop_string_ends_the_text_before_it_streamed_and_not(world):
     params = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, extra_body=LONG)
     text = world.a.completions.create(**params).choices[0].text

@@ -127,6 +127,24 @@ def test_wrong_types_are_400_naming_the_param(client, fields, param, code):
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"store": True}, "store", "invalid"),
+        ({"safety_identifier": "x" * 65}, "safety_identifier", "max_length"),
+        ({"prompt_cache_key": "x" * 65}, "prompt_cache_key", "max_length"),
+        ({"user": ["a"]}, "user", "invalid"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid"),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k", "max_length"),
+        ({"metadata": "tag"}, "metadata", "not_a_dict"),
+    ],
+)
+def test_sdk_fields_out_of_their_bounds_are_400_naming_the_field(client, fields, param, code):
+    body = {"model": MODEL, "messages": MESSAGES, **fields}
+    response = client.post(CHAT, json.dumps(body), content_type="application/json")
+    _assert_openai_error(response, 400, code, param)
+
+
 @pytest.mark.parametrize("name", ["frobnicate", "cache_salt", "Model"])
 def test_unknown_fields_are_400_naming_the_field(client, name):
     body = {"model": MODEL, "messages": MESSAGES, name: 1}
