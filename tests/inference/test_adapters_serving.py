@@ -123,13 +123,13 @@ async def test_requests_with_the_base_model_carry_no_adapter(
     assert await sync_to_async(list)(UsageRecord.objects.values_list("adapter", flat=True)) == [None]
 
 
-async def test_metrics_count_requests_per_adapter(adapter_world, lora_engine_worker):
+async def test_metrics_count_requests_per_adapter(adapter_world, lora_engine_worker, operator_headers):
     world = adapter_world
     response = await chat(world, chat_body(NAME, **GREEDY))
     assert response.status_code == 200
     [request] = await queued_requests(world.model)
 
-    text = (await AsyncClient().get("/metrics")).content.decode()
+    text = (await AsyncClient().get("/metrics", headers=operator_headers)).content.decode()
 
     labels = f'adapter="{NAME}",model="{world.model}"'
     assert (

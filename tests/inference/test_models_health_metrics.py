@@ -52,15 +52,15 @@ async def test_wrong_method_is_405_in_openai_shape(world):
     assert response.json()["error"]["code"] == "method_not_allowed"
 
 
-async def test_ready_is_503_for_an_enabled_model_without_a_live_replica(world):
-    response = await AsyncClient().get("/ready")
+async def test_ready_is_503_for_an_enabled_model_without_a_live_replica(world, operator_headers):
+    response = await AsyncClient().get("/ready", headers=operator_headers)
     assert response.status_code == 503
     assert response.json()["models"][world.model] == {"ready": False, "replicas": []}
     assert world.model in response.json()["checks"]["engines"]
 
 
-async def test_ready_lists_the_live_engine_replica_of_each_model(world, engine_worker):
-    response = await AsyncClient().get("/ready")
+async def test_ready_lists_the_live_engine_replica_of_each_model(world, engine_worker, operator_headers):
+    response = await AsyncClient().get("/ready", headers=operator_headers)
     assert response.status_code == 200
     model = response.json()["models"][world.model]
     assert model["ready"] is True
@@ -81,7 +81,9 @@ async def _heartbeat_matching(worker) -> object:
     raise AssertionError("the replica's heartbeat never showed it idle")
 
 
-async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(world, engine_worker):
+async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(
+    world, engine_worker, operator_headers
+):
     body = {
         "model": world.model,
         "messages": [{"role": "user", "content": LONG}],
@@ -106,7 +108,7 @@ async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(w
     stats = await _heartbeat_matching(engine_worker)
     assert stats.prefix_cache_hit_rate > 0
 
-    text = (await AsyncClient().get("/metrics")).content.decode()
+    text = (await AsyncClient().get("/metrics", headers=operator_headers)).content.decode()
 
     # prometheus_client writes label pairs sorted by name.
     labels = f'model="{world.model}",tenant="{world.tenant_a.slug}"'
