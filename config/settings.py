@@ -140,6 +140,8 @@ CACHES = {
 }
 
 CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+# Seconds a websocket may stay open without authenticating.
+WEBSOCKET_AUTH_TIMEOUT = envfloat("PAGODA_WEBSOCKET_AUTH_TIMEOUT", 5.0)
 
 CELERY_BROKER_URL = envstr("CELERY_BROKER_URL", REDIS_URL.replace("unix://", "redis+socket://"))
 CELERY_RESULT_BACKEND = None

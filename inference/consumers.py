@@ -1,14 +1,19 @@
 """Websocket streaming: `/ws/v1/chat`.
 
-Authenticate with a tenant API key, either as a subprotocol `pagoda.bearer.<key>` (offer
-`pagoda.v1` beside it, so the server never echoes the key back) or in the first message
-`{"type": "auth", "api_key": ...}`. Then, any number of concurrent streams, each with its id:
+Offer the subprotocol `pagoda.v1` (the server selects it, and refuses a handshake without it, so a
+key is never echoed back as the selected subprotocol). Authenticate with a tenant API key, either as
+a second subprotocol `pagoda.bearer.<key>` or in the first message `{"type": "auth", "api_key": ...}`
+within WEBSOCKET_AUTH_TIMEOUT seconds (the socket is closed otherwise). The key is checked again
+when each stream starts, as a REST call checks it: a key revoked or expired, or a tenant
+deactivated, stops starting streams at once. Then, up to MAX_STREAMS_PER_CONNECTION concurrent
+streams, each with its id:
 
   -> {"type": "chat", "id": "<client id>", "request": {...chat completions body...}}
   <- {"type": "delta", "id", "index", "content", "logprobs"?}
   <- {"type": "done", "id", "usage", "finish_reason", "choices": [{"index", "finish_reason"}]}
   <- {"type": "error", "id", "error": {"message", "type", "param", "code"}}
-  -> {"type": "cancel", "id"}     <- {"type": "cancelled", "id", "usage"}
+  -> {"type": "cancel", "id"}     <- {"type": "cancelled", "id", "usage"}  (usage zero when the
+                                       stream was cancelled before it was admitted)
 
 Admission, settlement and the ledger are those of the REST API (the same Generation).
 """
@@ -21,15 +26,16 @@ import logging
 import time
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
+from core.concurrency import blocking
 from core.errors import AuthenticationError, InvalidRequestError, PlatformError
 from core.request_ids import new_request_id
 from inference import metrics
 from inference.api.formatting import chat_logprobs, usage_body
 from inference.api.serializers import ChatCompletionInputSerializer, generation_input
-from inference.services import ChoiceDelta, ChoiceFinished, generation_start
+from inference.services import ChoiceDelta, ChoiceFinished, GenerationUsage, generation_start
 from tenants.services import api_key_authenticate
 from tenants.types import AuthContext
 
@@ -39,22 +45,38 @@ SUBPROTOCOL = "pagoda.v1"
 BEARER_SUBPROTOCOL_PREFIX = "pagoda.bearer."
 MAX_STREAMS_PER_CONNECTION = 16
 CLOSE_UNAUTHENTICATED = 4401
+CLOSE_PROTOCOL = 4400
 
 
 class ChatConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         self.auth: AuthContext | None = None
+        self.raw_key: str | None = None
         self.streams: dict[str, asyncio.Task] = {}
+        self.auth_deadline: asyncio.TimerHandle | None = None
         offered = list(self.scope.get("subprotocols") or [])
-        bearer = next((p for p in offered if p.startswith(BEARER_SUBPROTOCOL_PREFIX)), None)
-        if bearer is None:
-            await self.accept(SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        if SUBPROTOCOL not in offered:
+            # Selecting anything else could echo a `pagoda.bearer.<key>` back in the handshake.
+            await self.close(code=CLOSE_PROTOCOL)
             return
-        # Browsers fail the handshake unless the server picks an offered subprotocol.
-        await self.accept(SUBPROTOCOL if SUBPROTOCOL in offered else bearer)
-        await self._authenticate(bearer[len(BEARER_SUBPROTOCOL_PREFIX) :])
+        await self.accept(SUBPROTOCOL)
+        bearer = next((p for p in offered if p.startswith(BEARER_SUBPROTOCOL_PREFIX)), None)
+        if bearer is not None:
+            await self._authenticate(bearer[len(BEARER_SUBPROTOCOL_PREFIX) :])
+        else:
+            timeout = settings.WEBSOCKET_AUTH_TIMEOUT
+            self.auth_deadline = asyncio.get_running_loop().call_later(
+                timeout, lambda: asyncio.ensure_future(self._auth_timed_out())
+            )
+
+    async def _auth_timed_out(self) -> None:
+        if self.auth is None:
+            await self._error(None, AuthenticationError("No API key was sent in time."))
+            await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def disconnect(self, code: int) -> None:
+        if self.auth_deadline is not None:
+            self.auth_deadline.cancel()
         tasks = list(self.streams.values())
         for task in tasks:
             task.cancel()
@@ -99,11 +121,14 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         try:
             if not isinstance(raw_key, str) or not raw_key:
                 raise AuthenticationError("api_key is required.")
-            self.auth = await sync_to_async(api_key_authenticate)(raw_key=raw_key)
+            self.auth = await blocking(api_key_authenticate)(raw_key=raw_key)
         except PlatformError as exc:
             await self._error(None, exc)
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
+        self.raw_key = raw_key
+        if self.auth_deadline is not None:
+            self.auth_deadline.cancel()
         await self.send_json({"type": "authenticated"})
 
     async def _start(self, stream_id: Any, body: Any) -> None:
@@ -126,14 +151,20 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     async def _run(self, stream_id: str, body: Any) -> None:
         try:
             await self._generate(stream_id, body)
-        except asyncio.CancelledError:
-            pass  # cancelled before admission: nothing was reserved
         finally:
             self.streams.pop(stream_id, None)
 
     async def _generate(self, stream_id: str, body: Any) -> None:
         started = time.perf_counter()
         try:
+            try:
+                # As a REST call would be: a key revoked, expired or of a deactivated tenant since
+                # the socket authenticated starts nothing more (the cached check costs one Redis read).
+                self.auth = await blocking(api_key_authenticate)(raw_key=self.raw_key)
+            except PlatformError as exc:
+                await self._error(stream_id, exc)
+                await self.close(code=CLOSE_UNAUTHENTICATED)
+                return
             try:
                 data = generation_input(body, ChatCompletionInputSerializer)
             except PlatformError as exc:
@@ -146,6 +177,12 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             )
         except PlatformError as exc:
             await self._error(stream_id, exc)
+            return
+        except asyncio.CancelledError:
+            # Cancelled before it was admitted: nothing was reserved, queued or billed.
+            await self._send_quietly(
+                {"type": "cancelled", "id": stream_id, "usage": usage_body(GenerationUsage())}
+            )
             return
         plan = generation.plan
         reasons: dict[int, str] = {}

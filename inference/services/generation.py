@@ -20,9 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from asgiref.sync import sync_to_async
-from django.db import connection
-
+from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError, ServiceUnavailableError
 from engine.protocol import Event, GenerateRequest
 from inference import metrics
@@ -35,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # How long one blocking read waits before the replica serving the request is checked for life.
 POLL_MS = 500
+# Releases of reservations whose request was cancelled during admission, held until they are done.
+_UNQUEUED_RELEASES: set[asyncio.Future] = set()
 _CLIENT_ERROR_CODES = {"invalid_request", "request_too_large", "context_length_exceeded"}
 
 
@@ -77,17 +77,6 @@ def _engine_error(event: Event) -> PlatformError:
     return PlatformError(message, code=event.code or "engine_error")
 
 
-def _reserve_and_release_connection(**kwargs: Any) -> Reservation:
-    """admission_reserve, then close this request's database connection: a stream lasts as long as
-    its generation, and one connection held per open stream exhausts PostgreSQL (100 by default)
-    long before the web tier's capacity. Settling at the end opens a fresh one."""
-    try:
-        return admission_reserve(**kwargs)
-    finally:
-        if not connection.in_atomic_block:
-            connection.close()
-
-
 @dataclass
 class Generation:
     auth: AuthContext
@@ -118,13 +107,25 @@ class Generation:
         # Refusals happen before the reservation: nothing is counted, queued or written for them.
         if not await live_replica_ids_async(plan.model):
             raise engine_unavailable(plan.model)
-        self.reservation = await sync_to_async(_reserve_and_release_connection)(
-            auth=self.auth,
-            model=plan.model,
-            prompt_tokens=plan.prompt_tokens,
-            max_tokens=plan.max_completion_tokens,
-            request_id=plan.request_id,
+        reserving = asyncio.ensure_future(
+            blocking(admission_reserve)(
+                auth=self.auth,
+                model=plan.model,
+                prompt_tokens=plan.prompt_tokens,
+                max_tokens=plan.max_completion_tokens,
+                request_id=plan.request_id,
+            )
         )
+        try:
+            # Shielded: the reservation runs on in its thread whatever happens to this task.
+            self.reservation = await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            # Cancelled while admission ran: the caller hears of it now; what admission took is
+            # given back once it is done, by a task of its own.
+            release = asyncio.ensure_future(self._release_unqueued(reserving))
+            _UNQUEUED_RELEASES.add(release)
+            release.add_done_callback(_UNQUEUED_RELEASES.discard)
+            raise
         try:
             await self._submit()
             yield None
@@ -143,6 +144,17 @@ class Generation:
         finally:
             # A task, so that a second cancellation of this one cannot interrupt the bookkeeping.
             await asyncio.shield(asyncio.ensure_future(self._finish()))
+
+    async def _release_unqueued(self, reserving: asyncio.Future) -> None:
+        """A reservation made for a request cancelled before it was queued: settled to nothing,
+        its concurrency slot freed, and its one ledger row written as cancelled."""
+        try:
+            self.reservation = await reserving
+        except Exception:
+            return  # refused: nothing was taken
+        self.status = "cancelled"
+        self.usage.prompt_tokens = 0  # nothing was computed
+        await self._finish()
 
     async def _submit(self) -> None:
         plan = self.plan
@@ -244,7 +256,7 @@ class Generation:
         latency = time.perf_counter() - self.started_at
         ttft = None if self._first_token_at is None else self._first_token_at - self.started_at
         try:
-            await sync_to_async(self._settle_and_record)(ttft, latency)
+            await blocking(self._settle_and_record)(ttft, latency)
         except Exception:
             logger.exception("could not settle %s", plan.request_id)
         metrics.record_finished(
@@ -306,7 +318,7 @@ async def generation_start(
     whatever ends them settles the reservation and writes the ledger row."""
     plan = None
     try:
-        plan = await sync_to_async(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
+        plan = await blocking(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
         generation = Generation(auth=auth, plan=plan, started_at=started_at or time.perf_counter())
         events = generation.run()
         await anext(events)  # admitted and queued

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 async def _connect(subprotocols: list[str] | None = None) -> WebsocketCommunicator:
-    communicator = WebsocketCommunicator(application, "/ws/v1/chat", subprotocols=subprotocols)
+    communicator = WebsocketCommunicator(
+        application, "/ws/v1/chat", subprotocols=subprotocols or ["pagoda.v1"]
+    )
     connected, _ = await communicator.connect()
     assert connected
     return communicator
