@@ -1,1 +1,2 @@
-"""The Pagoda inference engine. Never imports Django; only engine.protocol is shared with the web tier."""
+"""The Pagoda inference engine. Never imports Django; the web tier imports only engine.protocol, engine.rules
+and engine.chat_template."""

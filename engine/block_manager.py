@@ -35,13 +35,12 @@ def compute_slot_mapping(block_table: list[int], block_size: int, start: int, en
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
-        self.token_ids: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash is not None})"
@@ -125,7 +124,6 @@ class BlockManager:
             # the duplicate stays anonymous, to be recycled first once freed.
             if hashes[i] not in self.cached_block_ids:
                 block.hash = hashes[i]
-                block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 self.cached_block_ids[hashes[i]] = block.block_id
         self._num_registered[seq.seq_id] = end
 
@@ -174,7 +172,7 @@ class BlockManager:
         if block.hash is not None:  # eviction: the cached content is about to be overwritten
             if self.cached_block_ids.get(block.hash) == block_id:
                 del self.cached_block_ids[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash = None
         block.ref_count = 1
         return block_id
 

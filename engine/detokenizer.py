@@ -63,11 +63,6 @@ class IncrementalDetokenizer:
     def output_token_ids(self) -> list[int]:
         return self._ids[self._num_context :]
 
-    @property
-    def num_pending_tokens(self) -> int:
-        """Ids decoded but not yet emitted (an incomplete character)."""
-        return len(self._ids) - self.read_offset
-
     def _decode(self, ids: Sequence[int]) -> str:
         return decode(self.tokenizer, ids, self.skip_special_tokens)
 

@@ -62,7 +62,6 @@ class _Request:
     request_id: str
     completions: list[_Completion]
     num_prompt_tokens: int
-    arrival_time: float
     error: str | None = None
 
     @property
@@ -170,7 +169,7 @@ class LLMEngine:
             if sampling_params.logprobs is not None:
                 c.cumulative_logprob = 0.0
             self._completions[c.seq.seq_id] = c
-        self._requests[request_id] = _Request(request_id, completions, len(prompt), now)
+        self._requests[request_id] = _Request(request_id, completions, len(prompt))
         self.num_prompt_tokens += len(prompt)
 
     def _lora_id(self, tenant: str, lora: LoRARef | None, num_seqs: int) -> int:

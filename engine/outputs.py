@@ -22,10 +22,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -35,7 +31,3 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)

@@ -1,6 +1,6 @@
 """Wire messages between the web tier and engine workers, over Redis. Versioned JSON, never pickle.
 
-This is the only engine module the Django side imports.
+The Django side imports this module, engine.rules and engine.chat_template, never the rest of the engine.
 
 Redis layout (every key starts with the deployment's prefix, e.g. "pagoda:"):
 - `{prefix}requests:{model}`     stream of GenerateRequest, consumer group `engines`; several replicas

@@ -2,8 +2,8 @@
 
 The web tier checks requests, adapters and deployments before anything is queued; the engine
 checks them again as they arrive. Where the two disagreed, a request or an adapter was accepted
-by one and refused by the other. Standard library only: Django code imports this module (and
-engine.protocol), never the rest of the engine.
+by one and refused by the other. Standard library only: Django code imports this module (with
+engine.protocol and engine.chat_template), never the rest of the engine.
 """
 
 from __future__ import annotations

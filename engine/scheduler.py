@@ -40,10 +40,6 @@ class SchedulerOutput:
     preempted: list[Sequence]
     finished_aborted: list[Sequence]
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 def _rank(seq: Sequence) -> tuple[int, float, int]:
     """Most important first: the victim of a preemption is the sequence with the largest rank."""

@@ -99,7 +99,3 @@ class LoraAdapter(models.Model):
 
     def __str__(self) -> str:
         return self.name
-
-    @property
-    def is_ready(self) -> bool:
-        return self.status == self.Status.READY

@@ -70,7 +70,7 @@ def _paged_decode_attention_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_start = split * SPLIT_SIZE
-    # Shorter sequences in the batch leave their trailing splits empty; padding rows have seq_len 0.
+    # Shorter sequences in the batch leave their trailing splits empty; a row with seq_len 0 has none.
     if split_start >= seq_len:
         return
     split_end = tl.minimum(split_start + SPLIT_SIZE, seq_len)

@@ -1,7 +1,7 @@
 """Slow, obviously correct torch references for every kernel in this package.
 
-They loop over tokens and walk block tables one position at a time on purpose: kernel tests compare
-against them, and other backends (the plain-torch attention) may call them. Shapes:
+They loop over tokens and walk block tables one position at a time on purpose: kernel and attention
+backend tests compare against them. Shapes:
 
 - KV cache, per layer: (num_blocks, block_size, num_kv_heads, head_dim); token position p of a
   sequence lives in slot block_table[p // block_size] * block_size + p % block_size.

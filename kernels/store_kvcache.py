@@ -2,8 +2,8 @@
 
 PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention", SOSP 2023): the cache is a pool of fixed-size blocks, and each token's K/V goes to
-the flat slot block_table[p // block_size] * block_size + p % block_size that the scheduler computed
-for it (slot_mapping). One program copies one token, all of its KV heads.
+the flat slot block_table[p // block_size] * block_size + p % block_size that the model runner
+computed for it (slot_mapping). One program copies one token, all of its KV heads.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def _store_kvcache_kernel(
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    # Padded rows (CUDA-graph batches) carry a negative slot and must not touch the cache.
+    # A negative slot marks a row with nothing to store. (The engine's CUDA-graph padding rows do not
+    # use it: they write to a scratch block past the pool.)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE

@@ -167,7 +167,3 @@ class UsageDaily(models.Model):
 
     def __str__(self) -> str:
         return f"{self.day} {self.tenant_id} {self.model}"
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens

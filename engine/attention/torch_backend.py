@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the CPU backend and the reference the Triton backend is tested against.
 
-The layout work of a step (which rows decode, their padded block lists, the masks) is planned once
-from the metadata and reused by every layer; a layer then only stores its K/V, gathers and attends.
+The layout work of a step (which rows decode, their padded block lists, the masks) depends only on
+the metadata; on CPU it is planned once per step and reused by every layer (off CPU each layer plans
+it again, see TorchAttentionBackend); a layer itself only stores its K/V, gathers and attends.
 
 - Decode rows (one new token each: every row of a decode-only step, or the decodes of a mixed one)
   attend in a few groups of similar context length: each group's contexts are gathered block by

@@ -68,7 +68,7 @@ class LoRALinear(nn.Module):
             self.lora_a = torch.zeros(max_loras, n * max_rank, base.in_features, device=dev, dtype=dtype)
             self.lora_b = [torch.zeros(max_loras, o, max_rank, device=dev, dtype=dtype) for o in out_sizes]
         # Torch path, per slot: A of every sub-module stacked (n * r, in) and a block-diagonal B^T
-        # (n * r, out_features), so one gather, two matmuls and one scatter serve the slot.
+        # (n * r, out_features), so two matmuls over the slot's contiguous rows serve the slot.
         self.slot_a: list[torch.Tensor | None] = [None] * max_loras
         self.slot_bt: list[torch.Tensor | None] = [None] * max_loras
 

@@ -58,12 +58,6 @@ class LoRAAdapter:
     # (layer, module) -> (A (rank, in_features), B (out_features, rank) with the scaling folded in)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(
-            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
-        )
-
 
 def read_adapter_config(root: Path) -> dict:
     try:

@@ -19,9 +19,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """engine.models.rope.apply_rope, bit for bit, in four passes instead of five: the rotation's
-    negation moves from x's second half into the sine table, since (-a) * b == a * (-b) exactly.
-    (No addcmul: it rounds once where the reference rounds twice.)
+    """The half-split rotation x * cos + rotate_half(x) * sin (transformers' form), bit for bit, in
+    four passes instead of five: rotate_half's negation moves from x's second half into the sine
+    table, since (-a) * b == a * (-b) exactly. (No addcmul: it rounds once where that form rounds
+    twice.)
 
     x: (num_tokens, num_heads, head_dim); cos, sin_signed: (num_tokens, head_dim), where sin_signed
     is sin with its first half negated.

@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoFormer, arXiv:2104.09864) with Llama 3's frequency scaling.
 
-The rotation is the half-split form Hugging Face checkpoints are trained with: the first and second
-halves of each head are the two coordinates of every rotated pair.
+The tables are laid out for the half-split form Hugging Face checkpoints are trained with: the first
+and second halves of each head are the two coordinates of every rotated pair (the rotation itself is
+engine.models.llama.apply_rope_signed).
 """
 
 from __future__ import annotations
@@ -42,10 +43,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (num_tokens, head_dim)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, num_heads, head_dim); cos, sin: (num_tokens, head_dim)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

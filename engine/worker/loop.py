@@ -1,7 +1,7 @@
 """One engine replica's loop: take requests from its model's stream, step the engine, stream events back.
 
-Per iteration: apply cancels, (re)claim requests, take new ones (a bounded blocking read only when
-the engine is idle), one engine step, then one pipeline with every event of the step and the acks
+Per iteration: (re)claim requests, take new ones (a bounded blocking read only when the engine is
+idle), apply cancels, one engine step, then one pipeline with every event of the step and the acks
 of the requests that ended. Delivery is at-least-once; what keeps a reader from seeing an answer
 twice is that a reclaimed request which had already streamed is failed, never run again.
 """
@@ -55,10 +55,6 @@ class EngineWorker:
         if self._stopping:
             self._force_stop = True
         self._stopping = True
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
 
     def run(self) -> int:
         self.queue.ensure_group()

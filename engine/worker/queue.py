@@ -129,13 +129,6 @@ class RequestQueue:
                 justid=True,
             )
 
-    def ack(self, message_ids: list[bytes]) -> None:
-        if message_ids:
-            self.client.xack(self.stream, CONSUMER_GROUP, *message_ids)
-
-    def pending_count(self) -> int:
-        return int(self.client.xpending(self.stream, CONSUMER_GROUP)["pending"])
-
     def leave_group(self) -> None:
         """Remove this consumer on a clean exit; only when it holds nothing, so nothing is dropped."""
         rows = self.client.xpending_range(

@@ -33,7 +33,7 @@ class WorkerSettings:
     # kills them): it is answered with an error instead of being run again.
     max_deliveries: int = 3
     # Requests held at once (running + waiting in the engine); the rest stay in the shared stream
-    # where another replica can take them. 0: twice the engine's max_num_seqs.
+    # where another replica can take them. 0: 256 (`engine serve` passes twice its max_num_seqs).
     max_held: int = 0
     # How far back the cancel stream is read at start, to see cancels of requests taken later.
     cancel_lookback_s: float = 60.0

@@ -108,11 +108,6 @@ _cache: dict[str, _Cached] = {}
 _cache_lock = threading.Lock()
 
 
-def _auth_cache_clear_local() -> None:
-    with _cache_lock:
-        _cache.clear()
-
-
 def _context_from_row(api_key: ApiKey) -> AuthContext:
     try:
         limits = api_key.tenant.limits

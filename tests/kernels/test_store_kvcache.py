@@ -33,7 +33,7 @@ def test_negative_slots_leave_the_cache_untouched(device):
         [15], [15], num_kv_heads=2, group=1, head_dim=32, dtype=torch.float32, device=device
     )
     slot_mapping = batch.slot_mapping.clone()
-    slot_mapping[::2] = -1  # padding rows of a CUDA-graph batch
+    slot_mapping[::2] = -1  # rows whose tokens the caller marks as not to be stored
     expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
     ref_store_kvcache(batch.k, batch.v, expected_k, expected_v, slot_mapping)
 
