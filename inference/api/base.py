@@ -20,8 +20,6 @@ from inference.services import GenerationPlan, collect_choices, generation_start
 class GenerationApi(ApiView):
     kind: str  # chat | completion
     InputSerializer: type[serializers.Serializer]
-    # Admission counts the request together with its tokens.
-    counts_request = False
 
     def response_body(self, plan: GenerationPlan, choices: list, usage) -> dict[str, Any]:
         raise NotImplementedError
@@ -41,7 +39,12 @@ class GenerationApi(ApiView):
             metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
             raise
         generation, events = await generation_start(
-            auth=self.auth, kind=self.kind, data=data, request_id=self.request_id, started_at=started
+            auth=self.auth,
+            kind=self.kind,
+            data=data,
+            request_id=self.request_id,
+            started_at=started,
+            request_counted=True,  # by the base view, before the body was read
         )
         self.ratelimit_headers = generation.ratelimit_headers
         plan = generation.plan

@@ -26,7 +26,7 @@ from engine.protocol import Event, GenerateRequest
 from inference import metrics
 from inference.gateway import EngineGateway, get_gateway, live_replica_ids_async, replica_is_live_async
 from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
-from tenants.services import admission_reserve, admission_settle, usage_record_create
+from tenants.services import admission_reserve, admission_settle, request_admit, usage_record_create
 from tenants.types import AuthContext, Reservation
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class Generation:
     started_at: float = field(default_factory=time.perf_counter)
     gateway: EngineGateway = field(default_factory=get_gateway)
     reservation: Reservation | None = None
+    request_counted: bool = False  # by request_admit, before planning: admission counts tokens only
     usage: GenerationUsage = field(init=False)
     status: str = "error"
     error_code: str | None = None
@@ -114,6 +115,7 @@ class Generation:
                 prompt_tokens=plan.prompt_tokens,
                 max_tokens=plan.max_completion_tokens,
                 request_id=plan.request_id,
+                request_counted=self.request_counted,
             )
         )
         try:
@@ -309,17 +311,24 @@ async def generation_start(
     data: dict[str, Any],
     request_id: str,
     started_at: float | None = None,
+    request_counted: bool = False,
 ) -> tuple[Generation, AsyncIterator[ChoiceDelta | ChoiceFinished]]:
     """Plan a validated chat or completion body (`kind`), reserve its tokens and queue it.
 
-    Returns the Generation and its events (the choices' deltas and finishes). A refusal (unknown
-    model, context too long, rate limit, no engine) raises here, counted in the metrics, before
+    The request counts against the requests/min limit before its prompt is tokenized (unless the
+    caller counted it already: `request_counted`), so a tenant over its rate costs no tokenization.
+    Returns the Generation and its events (the choices' deltas and finishes). A refusal (rate
+    limit, unknown model, context too long, no engine) raises here, counted in the metrics, before
     anything is queued or reserved; once this returns, the events must be consumed or closed, and
     whatever ends them settles the reservation and writes the ledger row."""
     plan = None
     try:
+        if not request_counted:
+            await blocking(request_admit)(auth=auth, request_id=request_id)
         plan = await blocking(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
-        generation = Generation(auth=auth, plan=plan, started_at=started_at or time.perf_counter())
+        generation = Generation(
+            auth=auth, plan=plan, started_at=started_at or time.perf_counter(), request_counted=True
+        )
         events = generation.run()
         await anext(events)  # admitted and queued
     except PlatformError as exc:

@@ -126,8 +126,11 @@ def admit(
     take_slot: bool,
     charge_quota: bool,
     reserve: bool,
+    count_request: bool = True,
 ) -> dict[str, str]:
     """Count one request (and `tokens`) against every limit, or raise without counting anything.
+    count_request=False: the request was counted already (request_admit); only tokens, slot and
+    quota are checked and taken here.
 
     Returns the x-ratelimit-* headers. Raises QuotaCounterMissing when the month's counter must be
     seeded first.
@@ -137,7 +140,7 @@ def admit(
     args = [
         WINDOW_SECONDS,
         request_id,
-        1,
+        1 if count_request else 0,
         tokens,
         _limit(auth.key_requests_per_minute),
         _limit(limits.requests_per_minute),

@@ -62,8 +62,16 @@ def _count(name: str, value: int) -> int:
 
 
 def admission_reserve(
-    *, auth: AuthContext, model: str, prompt_tokens: int, max_tokens: int, request_id: str
+    *,
+    auth: AuthContext,
+    model: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    request_id: str,
+    request_counted: bool = False,
 ) -> Reservation:
+    """Reserve a generation's tokens, a concurrency slot and its quota, counting the request too
+    unless `request_counted` (request_admit counted it before the prompt was tokenized)."""
     model_access_check(auth=auth, model=model)
     tokens = _count("prompt_tokens", prompt_tokens) + _count("max_tokens", max_tokens)
     period = quota_period()
@@ -75,6 +83,7 @@ def admission_reserve(
         take_slot=True,
         charge_quota=True,
         reserve=True,
+        count_request=not request_counted,
     )
     return Reservation(
         request_id=request_id,

@@ -3,6 +3,7 @@ authentication, request counting, error rendering and x-request-id, whatever the
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -10,8 +11,8 @@ from django.test import Client
 from django.urls import get_resolver
 
 from core.api.base import ApiView
-from inference.api.base import GenerationApi
 from tenants.services import tenant_limits_update
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.django_db
 
@@ -41,16 +42,14 @@ def test_every_v1_route_is_an_api_view():
         assert view is not None and issubclass(view, ApiView), route
 
 
-def test_only_generations_leave_request_counting_to_their_admission():
-    counted_elsewhere = {route for route, view in _v1_views().items() if not view.counts_request}
-    assert counted_elsewhere == {"v1/chat/completions", "v1/completions"}
-    assert all(issubclass(_v1_views()[route], GenerationApi) for route in counted_elsewhere)
+def test_every_v1_view_counts_the_request_before_reading_it():
+    assert all(view.counts_request for view in _v1_views().values())
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/usage", "/v1/adapters"])
 def test_every_read_counts_against_the_request_rate(world, path):
     tenant_limits_update(tenant=world.tenant_a, requests_per_minute=2)
-    client = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"})
+    client = Client(headers=world.headers())
 
     answers = [client.get(path) for _ in range(3)]
 
@@ -63,7 +62,7 @@ def test_every_read_counts_against_the_request_rate(world, path):
 def test_a_read_refused_for_its_key_is_not_counted(world):
     tenant_limits_update(tenant=world.tenant_a, requests_per_minute=1)
     assert Client(headers={"Authorization": "Bearer sk-not-a-key"}).get("/v1/models").status_code == 401
-    client = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"})
+    client = Client(headers=world.headers())
     assert client.get("/v1/models").status_code == 200
 
 
@@ -85,7 +84,7 @@ def test_a_read_refused_for_its_key_is_not_counted(world):
     ],
 )
 def test_every_v1_answer_carries_a_request_id(world, method, path, authorized, status):
-    headers = {"Authorization": f"Bearer {world.raw_key_a}"} if authorized else {}
+    headers = world.headers() if authorized else {}
     response = getattr(Client(headers=headers), method)(path)
     assert response.status_code == status
     assert REQUEST_ID.match(response["x-request-id"])
@@ -93,36 +92,73 @@ def test_every_v1_answer_carries_a_request_id(world, method, path, authorized, s
 
 
 def test_request_ids_are_new_for_each_request(world):
-    client = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"})
+    client = Client(headers=world.headers())
     assert client.get("/v1/models")["x-request-id"] != client.get("/v1/models")["x-request-id"]
 
 
 def test_a_body_over_the_upload_limit_still_gets_a_request_id(world, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 64
-    client = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"})
+    client = Client(headers=world.headers())
     response = client.post("/v1/completions", {"prompt": "x" * 256}, content_type="application/json")
     assert response.status_code == 413
     assert REQUEST_ID.match(response["x-request-id"])
 
 
 def test_wrong_method_names_the_allowed_ones(world):
-    response = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"}).delete("/v1/usage")
+    response = Client(headers=world.headers()).delete("/v1/usage")
     assert response.status_code == 405
     assert response["Allow"] == "GET, HEAD, OPTIONS"
     assert response.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_adapters_upload_must_be_multipart(world):
-    client = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"})
+    client = Client(headers=world.headers())
     response = client.post("/v1/adapters", {"name": "x"}, content_type="application/json")
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "unsupported_media_type"
 
 
 def test_a_malformed_multipart_body_is_a_400_not_a_crash(world):
-    client = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"})
+    client = Client(headers=world.headers())
     response = client.generic(
         "POST", "/v1/adapters", b"--x\r\nnot a part", content_type="multipart/form-data; boundary=x"
     )
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
+        json.dumps({"model": MODEL, "messages": "Hi"}).encode(),
+    ],
+    ids=["not-json", "unknown-model", "bad-field"],
+)
+def test_refused_generations_count_against_the_request_rate(world, body):
+    tenant_limits_update(tenant=world.tenant_a, requests_per_minute=2)
+    client = Client(headers=world.headers())
+
+    answers = [client.generic("POST", "/v1/chat/completions", body, content_type="application/json")]
+    answers.append(client.get("/v1/models"))
+    answers.append(client.generic("POST", "/v1/chat/completions", body, content_type="application/json"))
+
+    assert answers[0].status_code in (400, 404)
+    assert [a.status_code for a in answers[1:]] == [200, 429]
+
+
+def test_a_tenant_over_its_rate_costs_no_tokenization(world, monkeypatch):
+    from inference import tokenization
+
+    tokenized = []
+    monkeypatch.setattr(tokenization, "chat_prompt_ids", lambda *a, **k: tokenized.append(a) or [1, 2, 3])
+    tenant_limits_update(tenant=world.tenant_a, requests_per_minute=1)
+    client = Client(headers=world.headers())
+    assert client.get("/v1/models").status_code == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+    response = client.post("/v1/chat/completions", body, content_type="application/json")
+
+    assert response.status_code == 429
+    assert tokenized == []
