@@ -7,7 +7,7 @@ from typing import Any
 from rest_framework import serializers
 
 from core.api.base import unknown_field_error
-from engine.rules import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from engine.rules import MAX_COMPLETION_PROMPTS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
 UNSUPPORTED_FIELDS = frozenset(
@@ -81,6 +81,8 @@ class PromptField(serializers.Field):
     def to_internal_value(self, data: Any) -> list[str | list[int]]:
         if isinstance(data, str):
             return [data]
+        if isinstance(data, list) and len(data) > MAX_COMPLETION_PROMPTS and not all(_is_int(t) for t in data):
+            raise serializers.ValidationError(f"prompt takes at most {MAX_COMPLETION_PROMPTS} prompts.")
         if isinstance(data, list) and data:
             if all(isinstance(p, str) for p in data):
                 return list(data)

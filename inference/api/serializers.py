@@ -10,7 +10,7 @@ from rest_framework import serializers
 from core.api.base import validated
 from core.api.exceptions import to_platform_error
 from core.errors import InvalidRequestError
-from engine.rules import MAX_LOGPROBS
+from engine.rules import MAX_LOGPROBS, MAX_SEQUENCES_PER_REQUEST
 from inference.api.fields import MessagesField, PromptField, SamplingInputSerializer, refuse_unsupported
 
 
@@ -51,6 +51,10 @@ class CompletionInputSerializer(SamplingInputSerializer):
         best_of = attrs.get("best_of")
         if best_of is not None and best_of != (attrs.get("n") or 1):
             raise serializers.ValidationError({"best_of": "best_of other than n is not supported."})
+        if len(attrs["prompt"]) * (attrs.get("n") or 1) > MAX_SEQUENCES_PER_REQUEST:
+            raise serializers.ValidationError(
+                {"n": f"The number of prompts times n may be at most {MAX_SEQUENCES_PER_REQUEST}."}
+            )
         return attrs
 
 
