@@ -7,6 +7,7 @@ REDIS_URL is unset. With DEBUG off the process refuses the development SECRET_KE
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 import sys
 from pathlib import Path
 
@@ -29,18 +30,23 @@ VAR_DIR = Path(envstr("PAGODA_VAR_DIR", str(BASE_DIR / "var")))
 
 DEV_SECRET_KEY = "pagoda-development-secret-key-do-not-use-in-production"
 DEV_PEPPER = "pagoda-development-api-key-pepper"
+# The placeholders of .env.example: a copy of the file left as it is must not start in production.
+PLACEHOLDER_SECRET_KEY = "change-me-to-50-random-characters"
+PLACEHOLDER_PEPPER = "change-me-too"
 
 DEBUG = envbool("DEBUG", False)
 SECRET_KEY = envsecret("SECRET_KEY", DEV_SECRET_KEY)
 API_KEY_PEPPER = envsecret("API_KEY_PEPPER", DEV_PEPPER)
 if not DEBUG and not envbool("PAGODA_ALLOW_DEV_SECRETS", False):
-    if SECRET_KEY == DEV_SECRET_KEY:
+    if SECRET_KEY in (DEV_SECRET_KEY, PLACEHOLDER_SECRET_KEY):
         raise ImproperlyConfigured(
-            "DEBUG is off and SECRET_KEY is the development default: set SECRET_KEY (or SECRET_KEY_FILE)."
+            "DEBUG is off and SECRET_KEY is the development default or the .env.example placeholder:"
+            " set SECRET_KEY (or SECRET_KEY_FILE)."
         )
-    if API_KEY_PEPPER == DEV_PEPPER:
+    if API_KEY_PEPPER in (DEV_PEPPER, PLACEHOLDER_PEPPER):
         raise ImproperlyConfigured(
-            "DEBUG is off and API_KEY_PEPPER is the development default: set API_KEY_PEPPER."
+            "DEBUG is off and API_KEY_PEPPER is the development default or the .env.example placeholder:"
+            " set API_KEY_PEPPER."
         )
 
 ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
@@ -56,6 +62,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "channels",
+    "axes",
     "tenants",
     "inference",
 ]
@@ -71,6 +78,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -191,7 +200,41 @@ LOGOUT_REDIRECT_URL = "/dashboard/login/"
 
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SESSION_COOKIE_HTTPONLY = True
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if envbool("BEHIND_TLS_PROXY", False) else None
+CSRF_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = CSRF_COOKIE_SAMESITE = "Lax"
+SECURE_REFERRER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+# Served over TLS (a terminating proxy in front): cookies only over HTTPS, and HSTS.
+BEHIND_TLS_PROXY = envbool("BEHIND_TLS_PROXY", False)
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if BEHIND_TLS_PROXY else None
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = BEHIND_TLS_PROXY
+SECURE_HSTS_SECONDS = envint("PAGODA_HSTS_SECONDS", 31_536_000, minimum=0) if BEHIND_TLS_PROXY else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = False
+
+# Content-Security-Policy on every page (django-csp): scripts and styles from this origin only
+# (inline style attributes allowed; no inline scripts), no framing, no plugins.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
+
+# Failed logins (dashboard and admin) are throttled per user name and address (django-axes).
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = envint("PAGODA_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=envint("PAGODA_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "dashboard/locked_out.html"
+AXES_IPWARE_PROXY_COUNT = 1 if BEHIND_TLS_PROXY else 0
 
 # The /v1 API (core.api.base.ApiView): who the caller is, and how a request is counted against the
 # tenant's requests/min limit. DRF serves the API's input validation (serializers) only.
