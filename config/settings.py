@@ -7,8 +7,8 @@ REDIS_URL is unset. With DEBUG off the process refuses the development SECRET_KE
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
