@@ -81,7 +81,11 @@ class PromptField(serializers.Field):
     def to_internal_value(self, data: Any) -> list[str | list[int]]:
         if isinstance(data, str):
             return [data]
-        if isinstance(data, list) and len(data) > MAX_COMPLETION_PROMPTS and not all(_is_int(t) for t in data):
+        if (
+            isinstance(data, list)
+            and len(data) > MAX_COMPLETION_PROMPTS
+            and not all(_is_int(t) for t in data)
+        ):
             raise serializers.ValidationError(f"prompt takes at most {MAX_COMPLETION_PROMPTS} prompts.")
         if isinstance(data, list) and data:
             if all(isinstance(p, str) for p in data):
