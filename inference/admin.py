@@ -3,6 +3,10 @@ tenants' LoRA adapters (uploaded here through the same service as the API and th
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
@@ -24,8 +28,28 @@ def _replica_rows(name: str):
         return None
 
 
+class ModelDeploymentForm(forms.ModelForm):
+    class Meta:
+        model = ModelDeployment
+        fields = "__all__"
+
+    def clean_model_path(self) -> str:
+        """Only a directory under PAGODA_MODELS_DIR: the admin must not point engines (and the web
+        tier's tokenizer loading) at arbitrary paths of the host. Stored resolved, so `..` and
+        symbolic links cannot lead out afterwards."""
+        root = Path(settings.MODELS_DIR).expanduser().resolve()
+        path = Path(self.cleaned_data["model_path"]).expanduser()
+        resolved = (path if path.is_absolute() else root / path).resolve()
+        if not resolved.is_relative_to(root):
+            raise forms.ValidationError(f"The model directory must be inside PAGODA_MODELS_DIR ({root}).")
+        if not (resolved / "config.json").is_file():
+            raise forms.ValidationError("No config.json in that directory: it is not a model directory.")
+        return str(resolved)
+
+
 @admin.register(ModelDeployment)
 class ModelDeploymentAdmin(admin.ModelAdmin):
+    form = ModelDeploymentForm
     list_display = ("name", "enabled", "max_model_len", "dtype", "live_replicas", "updated_at")
     list_filter = ("enabled", "dtype")
     search_fields = ("name", "model_path")
@@ -149,7 +173,11 @@ class LoraAdapterAdmin(admin.ModelAdmin):
         for adapter in queryset.order_by("pk"):
             adapter_delete(tenant_id=adapter.tenant_id, name=adapter.name)
 
-    @admin.action(description="Validate selected adapters again", permissions=["view"])
+    def has_revalidate_permission(self, request) -> bool:
+        # The page is read-only for everyone, but scheduling work is a change.
+        return request.user.has_perm("inference.change_loraadapter")
+
+    @admin.action(description="Validate selected adapters again", permissions=["revalidate"])
     def revalidate_selected(self, request, queryset) -> None:
         count = 0
         for adapter in queryset.order_by("pk"):

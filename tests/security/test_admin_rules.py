@@ -1,0 +1,103 @@
+"""The admin cannot point an engine at any path of the host, and its actions that schedule work
+need the change permission, not only view."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.test import Client
+
+from inference.models import LoraAdapter, ModelDeployment
+from tenants.services import tenant_create
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def operator() -> Client:
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("op", "op@example.com", "pw"))
+    return client
+
+
+@pytest.fixture
+def models_dir(settings, tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    (root / "tiny").mkdir(parents=True)
+    (root / "tiny" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "config.json").write_text("{}")
+    settings.MODELS_DIR = root
+    return root
+
+
+def _add(operator: Client, model_path: str):
+    return operator.post(
+        "/admin/inference/modeldeployment/add/",
+        {
+            "name": "tiny",
+            "model_path": model_path,
+            "max_model_len": "256",
+            "dtype": "auto",
+            "engine_settings": "{}",
+            "enabled": "on",
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "path", ["/etc", "{root}/../elsewhere", "{root}/tiny/../../elsewhere", "../elsewhere"]
+)
+def test_a_model_path_outside_the_models_dir_is_refused(operator, models_dir, path):
+    response = _add(operator, path.format(root=models_dir))
+
+    assert response.status_code == 200  # the form again, with the error
+    assert "must be inside PAGODA_MODELS_DIR" in response.content.decode()
+    assert not ModelDeployment.objects.exists()
+
+
+@pytest.mark.parametrize("path", ["{root}/tiny", "tiny"])
+def test_a_model_path_inside_the_models_dir_is_stored_resolved(operator, models_dir, path):
+    response = _add(operator, path.format(root=models_dir))
+
+    assert response.status_code == 302
+    assert ModelDeployment.objects.get().model_path == str((models_dir / "tiny").resolve())
+
+
+def test_a_directory_that_is_no_model_is_refused(operator, models_dir):
+    (models_dir / "empty").mkdir()
+    response = _add(operator, str(models_dir / "empty"))
+    assert "No config.json" in response.content.decode()
+    assert not ModelDeployment.objects.exists()
+
+
+def test_revalidating_adapters_needs_the_change_permission(models_dir):
+    deployment = ModelDeployment.objects.create(
+        name="tiny", model_path=str(models_dir / "tiny"), max_model_len=256
+    )
+    tenant = tenant_create(name="A", slug="a", allowed_models=["tiny"])
+    adapter = LoraAdapter.objects.create(
+        tenant=tenant,
+        name="tone",
+        base_model=deployment,
+        status="failed",
+        version="v1",
+        storage_path="/nowhere",
+    )
+    viewer = get_user_model().objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_loraadapter"))
+    client = Client()
+    client.force_login(viewer)
+    changelist = "/admin/inference/loraadapter/"
+
+    page = client.get(changelist)
+    attempt = client.post(changelist, {"action": "revalidate_selected", "_selected_action": [adapter.pk]})
+
+    assert page.status_code == 200 and "revalidate_selected" not in page.content.decode()
+    assert attempt.status_code in (200, 302)
+    adapter.refresh_from_db()
+    assert adapter.status == "failed"  # nothing was scheduled
