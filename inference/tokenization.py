@@ -7,12 +7,14 @@ queued; the engine receives token ids, so both sides agree on the prompt by cons
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import Any
 
 from core.errors import InvalidRequestError, ServiceUnavailableError
 from engine.chat_template import ChatTemplateError, chat_prompt_token_ids
 
+logger = logging.getLogger(__name__)
 _load_lock = threading.Lock()
 
 
@@ -28,8 +30,13 @@ def get_tokenizer(model_path: str) -> Any:
     with _load_lock:
         try:
             return _load(model_path)
-        except OSError as exc:
-            raise ServiceUnavailableError(f"The model's tokenizer could not be loaded: {exc}") from exc
+        except Exception as exc:  # missing files, a malformed tokenizer.json, an unknown class
+            # The reason names the host's paths: the operator's log has it, the caller does not.
+            logger.error("the tokenizer of %s could not be loaded: %s", model_path, exc)
+            raise ServiceUnavailableError(
+                "The model's tokenizer could not be loaded; the platform operator has been told.",
+                code="model_unavailable",
+            ) from exc
 
 
 def chat_prompt_ids(model_path: str, messages: list[dict[str, str]]) -> list[int]:

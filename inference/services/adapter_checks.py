@@ -4,6 +4,7 @@ person can act on (retrain with a smaller rank, pick the right base model, re-sa
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from inference.services.adapter_files import (
     TensorInfo,
     read_safetensors_header,
 )
+
+logger = logging.getLogger(__name__)
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # PEFT's names once the adapter name is stripped on save, e.g.
@@ -82,8 +85,10 @@ def base_dims(*, model_path: str, base_name: str) -> BaseDims:
             head_dim=int(raw.get("head_dim") or hidden // heads),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
+        # The reason is the operator's to read (it names the host's paths), not the tenant's.
+        logger.warning("base model %s cannot be read for adapter checks: %s", base_name, exc)
         raise AdapterInvalid(
-            f"The base model `{base_name}` cannot be read ({exc}); ask the platform operator to check "
+            f"The base model `{base_name}` cannot be read; ask the platform operator to check "
             "that deployment, then upload the adapter again."
         ) from exc
 
@@ -91,8 +96,11 @@ def base_dims(*, model_path: str, base_name: str) -> BaseDims:
 def _read_config(adapter_dir: Path) -> dict[str, Any]:
     try:
         raw = json.loads((adapter_dir / CONFIG_NAME).read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AdapterInvalid(f"{CONFIG_NAME} cannot be read ({exc}).") from exc
+    except UnicodeDecodeError as exc:
+        raise AdapterInvalid(f"{CONFIG_NAME} is not UTF-8 text ({exc.reason}).") from exc
+    except OSError as exc:
+        logger.warning("%s of an adapter in %s cannot be read: %s", CONFIG_NAME, adapter_dir, exc)
+        raise AdapterInvalid(f"{CONFIG_NAME} cannot be read.") from exc
     except ValueError as exc:
         raise AdapterInvalid(
             f"{CONFIG_NAME} is not valid JSON ({exc}). Re-save the adapter with PEFT."
