@@ -252,6 +252,8 @@ OUTPUT_STREAM_TTL = envint("PAGODA_OUTPUT_STREAM_TTL", 600, minimum=10)
 ADAPTER_MAX_BYTES = envint("PAGODA_ADAPTER_MAX_BYTES", 512 * 1024 * 1024, minimum=1)
 ADAPTER_MAX_RANK = envint("PAGODA_ADAPTER_MAX_RANK", 64, minimum=1)
 ADAPTER_MAX_PER_TENANT = envint("PAGODA_ADAPTER_MAX_PER_TENANT", 50, minimum=1)
+# Bytes one tenant's adapters may take in all (their current versions).
+ADAPTER_STORAGE_PER_TENANT = envint("PAGODA_ADAPTER_STORAGE_PER_TENANT", 4 * 1024 * 1024 * 1024, minimum=1)
 # Bearer token for GET /metrics and the detailed GET /ready (staff sessions need none). Empty: only
 # staff may read them; /ready anonymously says ready or not and nothing else.
 METRICS_TOKEN = envstr("PAGODA_METRICS_TOKEN", "") or ""

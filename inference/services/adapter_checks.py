@@ -105,6 +105,8 @@ def _read_config(adapter_dir: Path) -> dict[str, Any]:
         raise AdapterInvalid(
             f"{CONFIG_NAME} is not valid JSON ({exc}). Re-save the adapter with PEFT."
         ) from exc
+    except RecursionError as exc:
+        raise AdapterInvalid(f"{CONFIG_NAME} is nested too deeply to be an adapter config.") from exc
     if not isinstance(raw, dict):
         raise AdapterInvalid(f"{CONFIG_NAME} must hold a JSON object.")
     return raw

@@ -22,6 +22,11 @@ from engine.rules import ADAPTER_WEIGHTS_FILE as WEIGHTS_NAME
 # Loading any of these runs pickle, which executes code chosen by whoever wrote the file.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz")
 _CHUNK = 1024 * 1024
+# An adapter archive holds two files; a few more (a README, a folder) are tolerated, thousands are not.
+MAX_ARCHIVE_ENTRIES = 16
+# A LoRA's safetensors header lists a few hundred tensors (tens of KiB); it is refused, unparsed,
+# beyond this.
+MAX_SAFETENSORS_HEADER_BYTES = 8 * 1024 * 1024
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
@@ -123,6 +128,13 @@ def _extract_zip(upload: Upload, *, target: Path, max_bytes: int) -> int:
     except (zipfile.BadZipFile, OSError) as exc:
         raise AdapterUploadError(f"The archive is not a valid zip file ({exc}).", param="file") from exc
     with archive:
+        if len(archive.infolist()) > MAX_ARCHIVE_ENTRIES:
+            raise AdapterUploadError(
+                f"The archive holds {len(archive.infolist())} entries; an adapter archive may hold at most "
+                f"{MAX_ARCHIVE_ENTRIES}. {_usage_hint()}",
+                param="file",
+                code="unsafe_archive",
+            )
         entries = [info for info in archive.infolist() if not info.is_dir()]
         for info in archive.infolist():
             if _entry_escapes(info):
@@ -166,13 +178,39 @@ def _read_chunks(stream: BinaryIO) -> Iterable[bytes]:
         yield chunk
 
 
+def _check_safetensors_header_length(path: Path) -> None:
+    try:
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            size = path.stat().st_size
+    except OSError as exc:
+        raise AdapterUploadError(f"{WEIGHTS_NAME} cannot be read.", param="file") from exc
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if length < 2 or length > size - 8:
+        raise AdapterUploadError(
+            f"{WEIGHTS_NAME} is not a valid safetensors file (its header length is wrong). Only "
+            "safetensors weights are accepted.",
+            param="file",
+            code="invalid_safetensors",
+        )
+    if length > MAX_SAFETENSORS_HEADER_BYTES:
+        raise AdapterUploadError(
+            f"{WEIGHTS_NAME} declares a header of {length} bytes; at most {MAX_SAFETENSORS_HEADER_BYTES} "
+            "are accepted.",
+            param="file",
+            code="invalid_safetensors",
+        )
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor names, dtypes and shapes from a safetensors header, without loading any tensor.
 
     The safetensors library checks that the header is well-formed and that every tensor's byte
-    range lies inside the file; anything else (a pickle under the wrong name) is refused."""
+    range lies inside the file; anything else (a pickle under the wrong name) is refused. The
+    header's declared length is checked first, so an oversized header is never parsed."""
     from safetensors import safe_open
 
+    _check_safetensors_header_length(path)
     try:
         with safe_open(str(path), framework="numpy") as handle:
             return {

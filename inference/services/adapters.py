@@ -19,6 +19,7 @@ from celery import signature
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from core.errors import InvalidRequestError
@@ -107,6 +108,25 @@ def _check_room(*, tenant: Tenant, name: str) -> None:
         )
 
 
+def _check_storage(*, tenant: Tenant, name: str, size: int) -> None:
+    """The tenant's adapters, this one's new version counted instead of its current one, fit the
+    tenant's storage (ADAPTER_STORAGE_PER_TENANT)."""
+    kept = (
+        LoraAdapter.objects.filter(tenant=tenant)
+        .exclude(name=name)
+        .aggregate(total=Sum("size_bytes"))["total"]
+        or 0
+    )
+    limit = settings.ADAPTER_STORAGE_PER_TENANT
+    if kept + size > limit:
+        raise InvalidRequestError(
+            f"This upload ({size} bytes) would take the tenant's adapters to {kept + size} bytes; the "
+            f"tenant may store {limit}. Delete an adapter first.",
+            param="file",
+            code="adapter_storage_quota",
+        )
+
+
 def adapter_upload(
     *,
     tenant: Tenant,
@@ -129,6 +149,7 @@ def adapter_upload(
     staging.mkdir(parents=True)
     try:
         size = stage_upload(files=files, target=staging, max_bytes=settings.ADAPTER_MAX_BYTES)
+        _check_storage(tenant=tenant, name=name, size=size)
         final = home / version
         staging.rename(final)
     except BaseException:
@@ -255,6 +276,14 @@ def adapter_validate(*, adapter_id: int, version: str) -> str:
         }
     except AdapterInvalid as exc:
         outcome = {"status": LoraAdapter.Status.FAILED, "failure_reason": exc.reason}
+    except Exception:
+        # Whatever the files do to the checks, the adapter ends decided: never "validating" for
+        # ever, and never queued again by adapter_validate_lost.
+        logger.exception("adapter %s (%s) could not be checked", adapter_id, version)
+        outcome = {
+            "status": LoraAdapter.Status.FAILED,
+            "failure_reason": "The adapter could not be checked. Re-save it with PEFT and upload it again.",
+        }
     updated = LoraAdapter.objects.filter(pk=adapter_id, version=version).update(
         **outcome, updated_at=timezone.now()
     )
