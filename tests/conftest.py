@@ -1,8 +1,36 @@
+"""Fixtures of every test package, among them the one fixture world:
+
+tenant A, with an owner, an admin and a member, and an API key; tenant B, whose owner is the
+outsider who must never see A's keys, adapters, usage, streams or cached prefixes, and a key.
+A may use the world's model; by default B may not (it has a model of its own).
+
+Variations are options of `make_world`: a package sets its defaults by overriding the
+`world_options` fixture, a test adds its own with `@pytest.mark.world(...)`, e.g.
+`@pytest.mark.world(tenant_a={"requests_per_minute": 1})`.
+"""
+
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from tests.helpers import MODEL, PASSWORD
+
+if TYPE_CHECKING:
+    from inference.models import ModelDeployment
+    from tenants.models import ApiKey, Tenant
+    from tests.inference.fault_injection import ProtocolFaultInjector
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "world(**options): options of make_world for this test's `world` (see tests/conftest.py)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,3 +93,116 @@ def operator_headers(settings) -> dict[str, str]:
     """What an operator's monitoring sends to read /metrics and the details of /ready."""
     settings.METRICS_TOKEN = "test-metrics-token"
     return {"Authorization": "Bearer test-metrics-token"}
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(request, settings):
+    """PBKDF2's deliberate slowness (about half a second per user here) would dominate the tests
+    that create users; what they check does not depend on the hash. Not for e2e tests: the servers
+    they start check passwords with the real hashers."""
+    if request.node.get_closest_marker("e2e") is None:
+        settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@dataclass
+class World:
+    model: str
+    tenant_a: Tenant
+    tenant_b: Tenant
+    owner_a: Any
+    admin_a: Any
+    member_a: Any
+    outsider_b: Any  # the owner of tenant B
+    key_a: ApiKey
+    raw_key_a: str
+    key_b: ApiKey
+    raw_key_b: str
+    deployment: ModelDeployment | None = None  # when the world registered its model
+
+    def headers(self, raw_key: str | None = None) -> dict[str, str]:
+        """The API key header (A's key unless another is given), for AsyncClient's `headers=`."""
+        return {"Authorization": f"Bearer {raw_key or self.raw_key_a}"}
+
+    def user(self, role: str) -> Any:
+        """A's owner, admin or member, or "outsider" (B's owner)."""
+        return {
+            "owner": self.owner_a,
+            "admin": self.admin_a,
+            "member": self.member_a,
+            "outsider": self.outsider_b,
+        }[role]
+
+    @cached_property
+    def faults(self) -> ProtocolFaultInjector:
+        """A replica of the world's model that only injects protocol faults (tests/inference)."""
+        from tests.inference.fault_injection import ProtocolFaultInjector
+
+        return ProtocolFaultInjector(self.model)
+
+
+def make_world(
+    *,
+    model: str | None = None,
+    model_dir: Path | None = None,
+    deployment: dict[str, Any] | None = None,
+    tenant_a: dict[str, Any] | None = None,
+    tenant_b: dict[str, Any] | None = None,
+    usernames: tuple[str, str, str, str] = ("owner-a", "admin-a", "member-a", "outsider-b"),
+    key_names: tuple[str, str] = ("a-key", "b-key"),
+) -> World:
+    """The two-tenant world, written to the database.
+
+    model_dir: register a deployment of that model directory (with the fields in `deployment`),
+        under `model` or, by default, a fresh name, so heartbeats and request streams of tests
+        never mix. Without it the world's model is `model` or MODEL, and nothing is registered.
+    tenant_a, tenant_b: arguments of tenant_create over the defaults (name, slug, allowed_models,
+        limits). A may use the world's model; B only a model of its own.
+    usernames: owner, admin and member of A, then B's owner; all have the password PASSWORD.
+    """
+    from django.contrib.auth import get_user_model
+
+    from inference.models import ModelDeployment
+    from tenants.models import Membership
+    from tenants.services import api_key_create, membership_create, tenant_create
+
+    registered = None
+    if model_dir is not None:
+        model = model or f"tiny-{uuid.uuid4().hex[:8]}"
+        registered = ModelDeployment.objects.create(
+            name=model, model_path=str(model_dir), **(deployment or {})
+        )
+    model = model or MODEL
+    a = tenant_create(
+        **{"name": "Tenant A", "slug": "tenant-a", "allowed_models": [model], **(tenant_a or {})}
+    )
+    b = tenant_create(
+        **{"name": "Tenant B", "slug": "tenant-b", "allowed_models": ["b-only-model"], **(tenant_b or {})}
+    )
+    owner, admin, member, outsider = (
+        get_user_model().objects.create_user(username=name, password=PASSWORD) for name in usernames
+    )
+    membership_create(tenant=a, user=owner, role=Membership.Role.OWNER)
+    membership_create(tenant=a, user=admin, role=Membership.Role.ADMIN)
+    membership_create(tenant=a, user=member, role=Membership.Role.MEMBER)
+    membership_create(tenant=b, user=outsider, role=Membership.Role.OWNER)
+    key_a, raw_key_a = api_key_create(tenant=a, name=key_names[0], created_by=owner)
+    key_b, raw_key_b = api_key_create(tenant=b, name=key_names[1], created_by=outsider)
+    return World(model, a, b, owner, admin, member, outsider, key_a, raw_key_a, key_b, raw_key_b, registered)
+
+
+@pytest.fixture
+def world_options() -> dict[str, Any]:
+    """Options of make_world for every `world` of a package; a conftest overrides this."""
+    return {}
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, db, world_options: dict[str, Any]) -> World:
+    """The fixture world, in the test's database (transactional where the test is marked so)."""
+    options = dict(world_options)
+    for marker in reversed(list(request.node.iter_markers("world"))):
+        for name, value in marker.kwargs.items():
+            if isinstance(value, dict) and isinstance(options.get(name), dict):
+                value = {**options[name], **value}
+            options[name] = value
+    return make_world(**options)

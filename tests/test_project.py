@@ -10,12 +10,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from config.env import ImproperlyConfiguredEnv, database_from_url, envbool, envint, redis_url_checked
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -185,14 +185,18 @@ def _stop_embedded_redis(var_dir: Path) -> None:
         redis.Redis(unix_socket_path=str(var_dir / "redis.sock")).shutdown(nosave=True)
     except redis.ConnectionError:
         pass  # the connection closing under the reply is the success case
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def exited() -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
+            return True
+        return False
+
+    try:
+        wait_until(exited, timeout=10, interval=0.05, what="redis-server to exit")
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.django_db

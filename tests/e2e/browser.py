@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,8 @@ from urllib.parse import quote
 
 from django.conf import settings
 from django.db import connection
+
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT_DIR = Path(os.environ.get("PAGODA_SCREENSHOT_DIR", tempfile.gettempdir())) / "pagoda-screenshots"
@@ -66,18 +67,16 @@ def server_env(**extra: str) -> dict[str, str]:
 
 
 def wait_for_http(url: str, *, timeout: float, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode} before answering {url}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
+                return response.status == 200
         except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
+            return False
+
+    wait_until(answers, timeout=timeout, interval=0.2, what=f"{url} to answer")
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -184,14 +183,19 @@ def engine_worker(*, model: str, log_path: Path, timeout: float = 180.0) -> Iter
             stderr=subprocess.STDOUT,
         )
         try:
-            deadline = time.monotonic() + timeout
-            while not live_replica_ids(model):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"engine for {model} is not live (exit {process.poll()})\n--- engine log ---\n"
-                        + log_path.read_text(errors="replace")
-                    )
-                time.sleep(0.25)
+
+            def live() -> bool:
+                if process.poll() is not None:
+                    raise AssertionError(f"the engine exited with {process.returncode}")
+                return bool(live_replica_ids(model))
+
+            try:
+                wait_until(live, timeout=timeout, interval=0.25, what=f"the engine of {model} to be live")
+            except AssertionError as exc:
+                raise RuntimeError(
+                    f"engine for {model} is not live ({exc})\n--- engine log ---\n"
+                    + log_path.read_text(errors="replace")
+                ) from None
             yield process
         finally:
             _stop(process)

@@ -25,6 +25,10 @@ from django.conf import settings
 from core.redis_client import get_redis
 from engine.protocol import CONSUMER_GROUP, ReplicaStats, replica_stats_key, requests_stream
 from tests.e2e.browser import E2E_METRICS_TOKEN, ROOT, free_port, server_env, wait_for_http
+from tests.helpers import wait_until
+
+# The replicas' blocking read of the request stream (WorkerSettings.idle_block_ms, left as it is).
+IDLE_BLOCK_MS = 200
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -104,16 +108,18 @@ class ServingStack:
         process.wait(timeout=30)
 
     @contextlib.contextmanager
-    def paused(self, replica_id: str, *, settle_s: float = 0.5) -> Iterator[None]:
+    def paused(self, replica_id: str, *, settle_ms: int = IDLE_BLOCK_MS + 300) -> Iterator[None]:
         """Stop a replica (SIGSTOP) so that the others take every new request, then resume it.
 
         The pause waits out the replica's blocking stream read first: Redis would otherwise hand
-        a new request to the frozen process's pending read.
+        a new request to the frozen process's pending read. That read's end cannot be observed
+        (Redis 7.0's XINFO counts a consumer's idle time from its last delivery, not from its last
+        read), so this is time passing beyond the read's block time, not a wait for a condition.
         """
         process = self.replicas[replica_id].popen
         process.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(settle_s)
+            time.sleep(settle_ms / 1000)
             yield
         finally:
             if process.poll() is None:
@@ -122,14 +128,7 @@ class ServingStack:
     def wait_until(
         self, predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1
     ) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(interval)
+        return wait_until(predicate, timeout=timeout, interval=interval, what=what)
 
     def log_tails(self, lines: int = 40) -> str:
         parts = []

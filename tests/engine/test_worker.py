@@ -33,6 +33,7 @@ from engine.protocol import (
     requests_stream,
 )
 from engine.sampling_params import SamplingParams
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,30 +79,29 @@ def wait_events(
     until: Callable[[list[Event]], bool] = ended,
     timeout: float = 90.0,
 ) -> list[Event]:
-    deadline = time.monotonic() + timeout
-    while True:
-        events = events_of(client, prefix, request_id)
-        if until(events):
-            return events
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting on {request_id}; events so far: {events}")
-        time.sleep(0.02)
+    seen: list[Event] = []
+
+    def arrived() -> list[Event] | None:
+        seen[:] = events_of(client, prefix, request_id)
+        return list(seen) if until(seen) else None
+
+    try:
+        return wait_until(arrived, timeout=timeout, what=f"the events of {request_id}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; events so far: {seen}") from None
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    return wait_until(condition, timeout=timeout, what=what)
 
 
 def streamed(events: list[Event], index: int = 0) -> tuple[str, list[int]]:
     outputs = [o for e in events if e.type == "delta" for o in e.outputs if o["index"] == index]
     return "".join(o["text"] for o in outputs), [t for o in outputs for t in o["token_ids"]]
+
+
+def num_deltas(events: list[Event]) -> int:
+    return sum(e.type == "delta" for e in events)
 
 
 def num_streamed_tokens(events: list[Event]) -> int:
@@ -318,7 +318,10 @@ def test_cancel_ends_the_request_with_abort_and_frees_its_blocks(served):
 def test_a_cancel_that_arrives_before_the_request_is_taken_still_applies(served):
     c, prefix = served.client, served.prefix
     c.xadd(cancel_stream(prefix, MODEL), cancel_message("cancel-early"))
-    time.sleep(0.5)  # the worker has read the cancel before the request exists
+    # The worker reads cancels after taking requests: once it has answered a request queued after
+    # the cancel, it has read the cancel, before the cancelled request exists.
+    submit(c, prefix, "after-the-cancel", max_tokens=1)
+    wait_events(c, prefix, "after-the-cancel")
     submit(c, prefix, "cancel-early", max_tokens=50, ignore_eos=True)
 
     events = wait_events(c, prefix, "cancel-early")
@@ -442,7 +445,10 @@ def test_sigterm_drains_the_running_request_takes_nothing_new_and_exits_zero(wor
     wait_events(c, prefix, "in-flight", until=has_delta)
 
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    # Two more steps after the signal: the handler ran during the first at the latest, and the loop
+    # that made the second no longer reads new requests.
+    deltas_at_signal = num_deltas(events_of(c, prefix, "in-flight"))
+    wait_events(c, prefix, "in-flight", until=lambda ev: ended(ev) or num_deltas(ev) >= deltas_at_signal + 2)
     submit(c, prefix, "after-stop", max_tokens=4)
     returncode = proc.wait(timeout=60)
 
@@ -583,11 +589,16 @@ def test_a_live_replica_keeps_its_long_requests_from_being_reclaimed(client, inp
     wait_events(client, prefix, "long-runner", until=has_delta)
 
     stolen = []
-    started = time.monotonic()
-    while not ended(events_of(client, prefix, "long-runner")):
+
+    def steal_until_it_ends() -> bool:
+        if ended(events_of(client, prefix, "long-runner")):
+            return True
         _, claimed, _ = client.xautoclaim(stream, CONSUMER_GROUP, "thief", 300, "0-0")
         stolen.extend(claimed)
-        time.sleep(0.05)
+        return False
+
+    started = time.monotonic()
+    wait_until(steal_until_it_ends, timeout=90, interval=0.05, what="the long request to finish")
     ran_for = time.monotonic() - started
 
     events = events_of(client, prefix, "long-runner")
@@ -610,6 +621,7 @@ def test_a_replica_that_lost_a_request_to_a_reclaim_stops_answering_it(client, i
     assert len(claimed) == 1
     message_id = claimed[0][0]
     counts = []
+    # A passage of time, not a synchronisation: that nothing more is written can only be watched.
     for _ in range(15):  # 1.5 s: several touch intervals of the stalled replica
         client.xclaim(stream, CONSUMER_GROUP, "thief", 0, [message_id], justid=True)
         counts.append(len(events_of(client, prefix, "taken-away")))

@@ -85,6 +85,7 @@ def heartbeat_during_slow_step(
     """(age of the replica's beat, whether its stats key is there), sampled while the slow step runs."""
     wait_for(in_step.is_set, 30, "the slow step")
     samples = []
+    # Sampling, not waiting: the samples are what the test checks, for as long as the step lasts.
     while in_step.is_set():
         score = client.zscore(replicas_key(prefix, MODEL), "slow")
         has_stats = client.exists(replica_stats_key(prefix, MODEL, "slow")) == 1

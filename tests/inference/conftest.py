@@ -1,15 +1,12 @@
-"""The serving path's fixture world: tenants A and B with keys, a deployment of a tiny model, a real
-engine replica of it on the test Redis prefix, and a protocol fault injector for what that replica
-cannot be made to do on demand."""
+"""The serving path's variation of the fixture world (tests/conftest.py): a deployment of a tiny
+model that A may use, a real engine replica of it on the test Redis prefix, and (world.faults) a
+protocol fault injector for what that replica cannot be made to do on demand."""
 
 from __future__ import annotations
 
 import threading
-import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,20 +15,18 @@ from django.conf import settings
 
 from core.redis_client import get_async_redis
 from engine.protocol import GenerateRequest, replicas_key, requests_stream
-from inference.models import ModelDeployment
-from tenants.models import ApiKey, Tenant
-from tests.inference.fault_injection import ProtocolFaultInjector
+from tests.helpers import async_wait_until, wait_until
 from tests.inference.peft_adapters import (  # noqa: F401 - fixtures of the adapter tests
     adapters_dir,
     celery_eager,
     media_root,
-    world_in_transaction,
 )
 
 if TYPE_CHECKING:  # torch loads with the engine: only the tests that run one import it
     from engine.config import LoRAConfig
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, RequestOutput
+    from tests.conftest import World
 
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
@@ -45,44 +40,11 @@ def served_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("served-tiny"), arch="llama", size="tiny", seed=0)
 
 
-@dataclass
-class ServingWorld:
-    model: str
-    deployment: ModelDeployment
-    tenant_a: Tenant
-    tenant_b: Tenant
-    key_a: ApiKey
-    raw_key_a: str
-    raw_key_b: str
-    faults: ProtocolFaultInjector
-
-    def headers(self, raw_key: str | None = None) -> dict[str, str]:
-        return {"Authorization": f"Bearer {raw_key or self.raw_key_a}"}
-
-
-def make_world(*, model_dir: Path, slug_suffix: str = "", **limits_a) -> ServingWorld:
-    from tenants.services import api_key_create, tenant_create
-
-    # A fresh served name per test: heartbeats and request streams of tests never mix.
-    model = f"tiny-{uuid.uuid4().hex[:8]}"
-    deployment = ModelDeployment.objects.create(
-        name=model, model_path=str(model_dir), max_model_len=MAX_MODEL_LEN
-    )
-    tenant_a = tenant_create(
-        name="Tenant A", slug=f"tenant-a{slug_suffix}", allowed_models=[model], **limits_a
-    )
-    # B may not use the model: it is "another tenant's" model from A's point of view and vice versa.
-    tenant_b = tenant_create(name="Tenant B", slug=f"tenant-b{slug_suffix}", allowed_models=["b-only-model"])
-    key_a, raw_key_a = api_key_create(tenant=tenant_a, name="a-key")
-    _, raw_key_b = api_key_create(tenant=tenant_b, name="b-key")
-    return ServingWorld(
-        model, deployment, tenant_a, tenant_b, key_a, raw_key_a, raw_key_b, ProtocolFaultInjector(model)
-    )
-
-
 @pytest.fixture
-def world(transactional_db, served_model_dir) -> ServingWorld:
-    return make_world(model_dir=served_model_dir)
+def world_options(served_model_dir: Path) -> dict:
+    """The serving variation of the fixture world: its model is a fresh deployment of the tiny
+    model (A may use it, B may not)."""
+    return {"model_dir": served_model_dir, "deployment": {"max_model_len": MAX_MODEL_LEN}}
 
 
 def tiny_engine(
@@ -110,7 +72,7 @@ def tiny_engine(
 
 
 @contextmanager
-def running_engine_worker(world: ServingWorld, *, lora: LoRAConfig | None = None) -> Iterator[object]:
+def running_engine_worker(world: World, *, lora: LoRAConfig | None = None) -> Iterator[object]:
     """One real engine replica of the world's model (the tiny model's LLMEngine and the Redis loop,
     in a thread of this process), live once this yields. `lora` (an engine LoRAConfig) makes it a
     replica that serves adapters."""
@@ -134,11 +96,13 @@ def running_engine_worker(world: ServingWorld, *, lora: LoRAConfig | None = None
     worker = EngineWorker(engine, queue, ws)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
+
+    def beating() -> bool:
+        assert thread.is_alive(), "the engine worker stopped before its first heartbeat"
+        return client.zscore(replicas_key(ws.prefix, ws.model), ws.replica_id) is not None
+
     # The web tier refuses a model with no heartbeat (503): wait for the replica's first one.
-    deadline = time.monotonic() + 30
-    while client.zscore(replicas_key(ws.prefix, ws.model), ws.replica_id) is None:
-        assert thread.is_alive() and time.monotonic() < deadline, "the engine worker did not start"
-        time.sleep(0.01)
+    wait_until(beating, timeout=30, interval=0.01, what="the engine worker's first heartbeat")
     try:
         yield worker
     finally:
@@ -222,6 +186,19 @@ async def queued_requests(model: str) -> list[GenerateRequest]:
     """Every request the web tier queued for `model` (entries stay in the stream once answered)."""
     entries = await get_async_redis().xrange(requests_stream(settings.REDIS_PREFIX, model))
     return [GenerateRequest.decode(fields) for _, fields in entries]
+
+
+async def engine_idle(worker) -> object:
+    """The replica's own stats once it runs nothing and has every KV block free (the engine drops
+    an aborted sequence at its next step)."""
+
+    def idle() -> object:
+        stats = worker.stats()
+        return stats if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks else None
+
+    return await async_wait_until(
+        idle, timeout=10, what="the engine replica to run nothing with every block free"
+    )
 
 
 def cached_prefix_len(prompt_len: int) -> int:

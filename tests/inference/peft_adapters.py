@@ -102,14 +102,6 @@ def adapters_dir(tmp_path_factory: pytest.TempPathFactory, served_model_dir: Pat
 
 
 @pytest.fixture
-def world_in_transaction(db, served_model_dir: Path):
-    """The serving world inside the test's transaction, so on-commit callbacks can be captured."""
-    from tests.inference.conftest import make_world
-
-    return make_world(model_dir=served_model_dir)
-
-
-@pytest.fixture
 def media_root(settings, tmp_path: Path) -> Path:
     settings.MEDIA_ROOT = tmp_path / "media"
     return settings.MEDIA_ROOT

@@ -10,18 +10,10 @@ from core.errors import NotFoundError, PermissionDeniedError
 from inference.models import LoraAdapter
 from inference.services.adapters import adapter_delete_for_member, adapter_upload_for_member
 from tenants.models import Membership
-from tenants.services import membership_create
+from tests.helpers import PASSWORD
 from tests.inference.peft_adapters import files_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _user(world, role: str | None, *, tenant=None):
-    tenant = tenant or world.tenant_a
-    user = get_user_model().objects.create_user(username=f"{role}-{tenant.slug}", password="pw-not-checked")
-    if role is not None:
-        membership_create(tenant=tenant, user=user, role=role)
-    return user
 
 
 def _upload(world, user, files, name: str = "tone") -> LoraAdapter:
@@ -32,7 +24,7 @@ def _upload(world, user, files, name: str = "tone") -> LoraAdapter:
 
 @pytest.mark.parametrize("role", [Membership.Role.OWNER, Membership.Role.ADMIN])
 def test_owners_and_admins_upload_and_delete(world, adapters_dir, media_root, celery_eager, role):
-    user = _user(world, role)
+    user = world.user(role)
 
     adapter = _upload(world, user, files_of(adapters_dir["good"]))
 
@@ -43,7 +35,7 @@ def test_owners_and_admins_upload_and_delete(world, adapters_dir, media_root, ce
 
 
 def test_a_member_may_neither_upload_nor_delete(world, adapters_dir, media_root, celery_eager):
-    owner, member = _user(world, Membership.Role.OWNER), _user(world, Membership.Role.MEMBER)
+    owner, member = world.owner_a, world.member_a
 
     with pytest.raises(PermissionDeniedError, match="Only owners and admins can manage adapters"):
         _upload(world, member, files_of(adapters_dir["good"]), name="by-member")
@@ -55,9 +47,8 @@ def test_a_member_may_neither_upload_nor_delete(world, adapters_dir, media_root,
 
 
 def test_an_outsider_is_told_nothing_exists(world, adapters_dir, media_root, celery_eager):
-    owner = _user(world, Membership.Role.OWNER)
-    outsider = _user(world, Membership.Role.OWNER, tenant=world.tenant_b)
-    nobody = _user(world, None)
+    owner, outsider = world.owner_a, world.outsider_b
+    nobody = get_user_model().objects.create_user(username="nobody", password=PASSWORD)
     _upload(world, owner, files_of(adapters_dir["good"]))
 
     for user in (outsider, nobody):

@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.test import Client
 
 from inference.models import LoraAdapter
-from tenants.models import Membership
-from tenants.services import membership_create
+from tests.helpers import logged_in
 from tests.inference.peft_adapters import (
     files_of,
     files_on_disk,
@@ -19,23 +17,12 @@ from tests.inference.peft_adapters import (
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def login(world, role: str, *, tenant=None) -> Client:
-    tenant = tenant or world.tenant_a
-    user = get_user_model().objects.create_user(
-        username=f"{role}-of-{tenant.slug}", password="pw-not-checked"
-    )
-    membership_create(tenant=tenant, user=user, role=role)
-    client = Client()
-    client.force_login(user)
-    return client
-
-
 def page(world) -> str:
     return f"/dashboard/t/{world.tenant_a.slug}/adapters/"
 
 
 def test_owner_uploads_an_adapter_that_becomes_ready(world, adapters_dir, media_root, celery_eager):
-    client = login(world, Membership.Role.OWNER)
+    client = logged_in(world.owner_a)
 
     response = client.post(
         page(world) + "new/",
@@ -49,7 +36,7 @@ def test_owner_uploads_an_adapter_that_becomes_ready(world, adapters_dir, media_
         world.tenant_a.pk,
         "support-tone",
         "ready",
-        f"owner-of-{world.tenant_a.slug}",
+        world.owner_a.username,
     )
     listing = client.get(page(world))
     assert listing.status_code == 200
@@ -60,7 +47,7 @@ def test_owner_uploads_an_adapter_that_becomes_ready(world, adapters_dir, media_
 
 
 def test_failed_adapter_shows_its_reason(world, adapters_dir, media_root, celery_eager):
-    client = login(world, Membership.Role.ADMIN)
+    client = logged_in(world.admin_a)
 
     client.post(
         page(world) + "new/",
@@ -73,7 +60,7 @@ def test_failed_adapter_shows_its_reason(world, adapters_dir, media_root, celery
 
 
 def test_refused_upload_shows_the_reason_and_keeps_nothing(world, media_root):
-    client = login(world, Membership.Role.OWNER)
+    client = logged_in(world.owner_a)
     archive = SimpleUploadedFile("a.zip", zip_bytes({"../adapter_config.json": b"{}"}))
 
     response = client.post(
@@ -87,7 +74,7 @@ def test_refused_upload_shows_the_reason_and_keeps_nothing(world, media_root):
 
 
 def test_base_models_offered_are_the_tenants(world):
-    client = login(world, Membership.Role.OWNER)
+    client = logged_in(world.owner_a)
 
     response = client.get(page(world))
 
@@ -95,7 +82,7 @@ def test_base_models_offered_are_the_tenants(world):
 
 
 def test_member_sees_the_list_but_cannot_upload_or_delete(world, adapters_dir, media_root, celery_eager):
-    client = login(world, Membership.Role.MEMBER)
+    client = logged_in(world.member_a)
 
     upload = client.post(
         page(world) + "new/",
@@ -108,7 +95,7 @@ def test_member_sees_the_list_but_cannot_upload_or_delete(world, adapters_dir, m
 
 
 def test_owner_deletes_an_adapter_after_confirming(world, adapters_dir, media_root, celery_eager):
-    client = login(world, Membership.Role.OWNER)
+    client = logged_in(world.owner_a)
     client.post(
         page(world) + "new/",
         {"name": "tone", "base_model": world.model, "files": files_of(adapters_dir["good"])},
@@ -124,11 +111,11 @@ def test_owner_deletes_an_adapter_after_confirming(world, adapters_dir, media_ro
 
 
 def test_outsider_gets_404_for_the_tenants_adapter_pages(world, adapters_dir, media_root, celery_eager):
-    login(world, Membership.Role.OWNER).post(
+    logged_in(world.owner_a).post(
         page(world) + "new/",
         {"name": "tone", "base_model": world.model, "files": files_of(adapters_dir["good"])},
     )
-    outsider = login(world, Membership.Role.OWNER, tenant=world.tenant_b)
+    outsider = logged_in(world.outsider_b)
     # The outsider's own tenant URL cannot reach A's adapter by name either.
     own_page = f"/dashboard/t/{world.tenant_b.slug}/adapters/"
 
@@ -143,8 +130,7 @@ def test_admin_uploads_an_adapter_for_a_tenant(world, adapters_dir, media_root, 
     admin = get_user_model().objects.create_superuser(
         username="root", password="pw", email="root@example.com"
     )
-    client = Client()
-    client.force_login(admin)
+    client = logged_in(admin)
 
     form = client.get("/admin/inference/loraadapter/add/")
     response = client.post(

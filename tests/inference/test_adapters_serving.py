@@ -16,25 +16,26 @@ from inference.models import LoraAdapter
 from inference.services.adapters import adapter_upload
 from tenants.models import UsageRecord
 from tenants.services import tenant_limits_update
+from tests.helpers import api_post
 from tests.inference.conftest import offline_adapter_outputs, offline_outputs, queued_requests
 from tests.inference.peft_adapters import files_of, files_on_disk
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NAME = "support-tone"
+URL = "/v1/chat/completions"
 
 
 @pytest.fixture
-def adapter_world(world, adapters_dir, media_root, celery_eager):
-    """A's ready adapter on the shared base model, which B may use too."""
+def adapter(world, adapters_dir, media_root, celery_eager) -> LoraAdapter:
+    """A's ready adapter on the world's model, which B is allowed here to use too."""
     tenant_limits_update(tenant=world.tenant_b, allowed_models=[world.model])
     adapter = adapter_upload(
         tenant=world.tenant_a, name=NAME, base_model=world.model, files=files_of(adapters_dir["good"])
     )
     adapter.refresh_from_db()
     assert adapter.status == "ready"
-    world.adapter = adapter
-    return world
+    return adapter
 
 
 def chat_body(model: str, **extra) -> dict:
@@ -45,25 +46,13 @@ def chat_body(model: str, **extra) -> dict:
 GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
 
 
-async def chat(world, body: dict, raw_key: str | None = None):
-    return await AsyncClient().post(
-        "/v1/chat/completions",
-        json.dumps(body),
-        content_type="application/json",
-        headers=world.headers(raw_key),
-    )
-
-
 async def test_chat_naming_the_adapter_is_served_with_its_weights_on_the_base_model(
-    adapter_world, lora_engine_worker, reference_llm
+    world, adapter, lora_engine_worker, reference_llm
 ):
-    world = adapter_world
-
-    response = await chat(world, chat_body(NAME, **GREEDY))
+    response = await api_post(world, URL, chat_body(NAME, **GREEDY))
 
     assert response.status_code == 200
     [request] = await queued_requests(world.model)
-    adapter = world.adapter
     assert request.model == world.model
     assert request.lora == LoRARef(name=NAME, path=adapter.storage_path, version=adapter.version)
     assert sorted(p.name for p in Path(request.lora.path).iterdir()) == [
@@ -85,9 +74,7 @@ async def test_chat_naming_the_adapter_is_served_with_its_weights_on_the_base_mo
     assert rows == [(response["x-request-id"], world.model, NAME, "success", 5)]
 
 
-async def test_streamed_completion_naming_the_adapter_echoes_its_name(adapter_world, lora_engine_worker):
-    world = adapter_world
-
+async def test_streamed_completion_naming_the_adapter_echoes_its_name(world, adapter, lora_engine_worker):
     response = await AsyncClient().post(
         "/v1/completions",
         json.dumps({"model": NAME, "prompt": "Hi", "stream": True, **GREEDY}),
@@ -108,11 +95,9 @@ async def test_streamed_completion_naming_the_adapter_echoes_its_name(adapter_wo
 
 
 async def test_requests_with_the_base_model_carry_no_adapter(
-    adapter_world, lora_engine_worker, reference_llm
+    world, adapter, lora_engine_worker, reference_llm
 ):
-    world = adapter_world
-
-    response = await chat(world, chat_body(world.model, **GREEDY))
+    response = await api_post(world, URL, chat_body(world.model, **GREEDY))
 
     assert response.status_code == 200
     [request] = await queued_requests(world.model)
@@ -123,9 +108,8 @@ async def test_requests_with_the_base_model_carry_no_adapter(
     assert await sync_to_async(list)(UsageRecord.objects.values_list("adapter", flat=True)) == [None]
 
 
-async def test_metrics_count_requests_per_adapter(adapter_world, lora_engine_worker, operator_headers):
-    world = adapter_world
-    response = await chat(world, chat_body(NAME, **GREEDY))
+async def test_metrics_count_requests_per_adapter(world, adapter, lora_engine_worker, operator_headers):
+    response = await api_post(world, URL, chat_body(NAME, **GREEDY))
     assert response.status_code == 200
     [request] = await queued_requests(world.model)
 
@@ -140,13 +124,12 @@ async def test_metrics_count_requests_per_adapter(adapter_world, lora_engine_wor
     assert f'pagoda_adapter_tokens_total{{{labels},tenant="{world.tenant_a.slug}"}} {float(tokens)}' in text
 
 
-async def test_outsider_using_the_adapter_name_gets_model_not_found_like_a_missing_model(adapter_world):
-    world = adapter_world
+async def test_outsider_using_the_adapter_name_gets_model_not_found_like_a_missing_model(world, adapter):
     await world.faults.heartbeat()
 
-    outsider = await chat(world, chat_body(NAME), raw_key=world.raw_key_b)
+    outsider = await api_post(world, URL, chat_body(NAME), raw_key=world.raw_key_b)
     await sync_to_async(LoraAdapter.objects.all().delete)()
-    missing = await chat(world, chat_body(NAME))
+    missing = await api_post(world, URL, chat_body(NAME))
 
     expected = {
         "error": {
@@ -162,33 +145,29 @@ async def test_outsider_using_the_adapter_name_gets_model_not_found_like_a_missi
     assert await sync_to_async(UsageRecord.objects.count)() == 0
 
 
-async def test_adapters_that_are_not_ready_cannot_be_used(adapter_world):
-    world = adapter_world
+async def test_adapters_that_are_not_ready_cannot_be_used(world, adapter):
     await world.faults.heartbeat()
     for status in ("uploaded", "validating", "failed"):
-        await LoraAdapter.objects.filter(pk=world.adapter.pk).aupdate(status=status)
+        await LoraAdapter.objects.filter(pk=adapter.pk).aupdate(status=status)
 
-        response = await chat(world, chat_body(NAME))
+        response = await api_post(world, URL, chat_body(NAME))
 
         assert (response.status_code, response.json()["error"]["code"]) == (404, "model_not_found")
     assert await world.faults.queued_count() == 0
 
 
-async def test_adapter_on_a_base_model_the_key_may_not_use_cannot_be_used(adapter_world):
-    world = adapter_world
+async def test_adapter_on_a_base_model_the_key_may_not_use_cannot_be_used(world, adapter):
     await world.faults.heartbeat()
     await sync_to_async(tenant_limits_update)(tenant=world.tenant_a, allowed_models=["b-only-model"])
 
-    response = await chat(world, chat_body(NAME))
+    response = await api_post(world, URL, chat_body(NAME))
 
     assert (response.status_code, response.json()["error"]["code"]) == (404, "model_not_found")
     models = await AsyncClient().get("/v1/models", headers=world.headers())
     assert models.json()["data"] == []
 
 
-async def test_models_lists_the_callers_ready_adapters_with_their_parent(adapter_world):
-    world = adapter_world
-
+async def test_models_lists_the_callers_ready_adapters_with_their_parent(world, adapter):
     mine = await AsyncClient().get("/v1/models", headers=world.headers())
     theirs = await AsyncClient().get("/v1/models", headers=world.headers(world.raw_key_b))
 
@@ -202,29 +181,28 @@ async def test_models_lists_the_callers_ready_adapters_with_their_parent(adapter
         {
             "id": NAME,
             "object": "model",
-            "created": int(world.adapter.created_at.timestamp()),
+            "created": int(adapter.created_at.timestamp()),
             "owned_by": world.tenant_a.slug,
             "parent": world.model,
         },
     ]
     assert [m["id"] for m in theirs.json()["data"]] == [world.model]
 
-    await LoraAdapter.objects.filter(pk=world.adapter.pk).aupdate(status="failed")
+    await LoraAdapter.objects.filter(pk=adapter.pk).aupdate(status="failed")
     mine = await AsyncClient().get("/v1/models", headers=world.headers())
     assert [m["id"] for m in mine.json()["data"]] == [world.model]
 
 
-async def test_models_retrieve_answers_as_the_list_and_hides_other_tenants_adapters(adapter_world):
-    world = adapter_world
+async def test_models_retrieve_answers_as_the_list_and_hides_other_tenants_adapters(world, adapter):
     listed = (await AsyncClient().get("/v1/models", headers=world.headers())).json()["data"]
 
     base = await AsyncClient().get(f"/v1/models/{world.model}", headers=world.headers())
-    adapter = await AsyncClient().get(f"/v1/models/{NAME}", headers=world.headers())
+    named = await AsyncClient().get(f"/v1/models/{NAME}", headers=world.headers())
     theirs = await AsyncClient().get(f"/v1/models/{NAME}", headers=world.headers(world.raw_key_b))
     missing = await AsyncClient().get("/v1/models/org/no-such-model", headers=world.headers())
 
-    assert [base.json(), adapter.json()] == listed
-    assert base["x-request-id"] and adapter["x-ratelimit-remaining-requests"]
+    assert [base.json(), named.json()] == listed
+    assert base["x-request-id"] and named["x-ratelimit-remaining-requests"]
     for refused, name in ((theirs, NAME), (missing, "org/no-such-model")):
         assert refused.status_code == 404
         assert refused.json()["error"] == {
@@ -235,9 +213,7 @@ async def test_models_retrieve_answers_as_the_list_and_hides_other_tenants_adapt
         }
 
 
-def test_outsider_cannot_see_the_adapter(adapter_world):
-    world = adapter_world
-
+def test_outsider_cannot_see_the_adapter(world, adapter):
     listing = Client().get("/v1/adapters", headers=world.headers(world.raw_key_b))
     detail = Client().get(f"/v1/adapters/{NAME}", headers=world.headers(world.raw_key_b))
     own = Client().get(f"/v1/adapters/{NAME}", headers=world.headers())
@@ -253,8 +229,7 @@ def test_outsider_cannot_see_the_adapter(adapter_world):
     assert (own.status_code, own.json()["id"], own.json()["status"]) == (200, NAME, "ready")
 
 
-def test_outsider_cannot_delete_the_adapter(adapter_world, media_root):
-    world = adapter_world
+def test_outsider_cannot_delete_the_adapter(world, adapter, media_root):
     on_disk = files_on_disk(media_root)
 
     response = Client().delete(f"/v1/adapters/{NAME}", headers=world.headers(world.raw_key_b))
@@ -263,13 +238,11 @@ def test_outsider_cannot_delete_the_adapter(adapter_world, media_root):
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "adapter_not_found"
     assert missing.json()["error"]["code"] == "adapter_not_found"
-    assert LoraAdapter.objects.filter(pk=world.adapter.pk).exists()
+    assert LoraAdapter.objects.filter(pk=adapter.pk).exists()
     assert files_on_disk(media_root) == on_disk != []
 
 
-def test_owner_deletes_the_adapter_with_its_files(adapter_world, media_root):
-    world = adapter_world
-
+def test_owner_deletes_the_adapter_with_its_files(world, adapter, media_root):
     response = Client().delete(f"/v1/adapters/{NAME}", headers=world.headers())
 
     assert (response.status_code, response.json()) == (

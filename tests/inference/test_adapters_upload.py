@@ -90,9 +90,8 @@ def test_good_adapter_uploaded_as_two_files_becomes_ready(world, adapters_dir, m
 
 @pytest.mark.django_db(transaction=False)
 def test_upload_schedules_validation_when_it_commits(
-    world_in_transaction, adapters_dir, media_root, celery_eager, django_capture_on_commit_callbacks
+    world, adapters_dir, media_root, celery_eager, django_capture_on_commit_callbacks
 ):
-    world = world_in_transaction
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         response = upload(world, files_of(adapters_dir["good"]))
     assert response.status_code == 201

@@ -13,9 +13,9 @@ from django.test import AsyncClient
 from inference.tokenization import chat_prompt_ids
 from tenants.models import UsageRecord
 from tenants.services import usage_record_create
+from tests.helpers import api_post
 from tests.inference.conftest import (
     cached_prefix_len,
-    make_world,
     offline_outputs,
     queued_requests,
     running_engine_worker,
@@ -29,12 +29,6 @@ LONG = (
     "Summarize the following notes about the harbor, the lighthouse, the ferry timetable and the fish market. "
     * 2
 )
-
-
-async def post(world, body: dict, raw_key: str | None = None):
-    return await AsyncClient().post(
-        URL, json.dumps(body), content_type="application/json", headers=world.headers(raw_key)
-    )
 
 
 def chat_body(world, content: str = "Hi there", **extra) -> dict:
@@ -53,8 +47,8 @@ async def ledger(request_id: str | None = None) -> list[UsageRecord]:
 
 
 async def test_chat_completion_has_openai_shape_and_one_ledger_row(world, engine_worker, reference_llm):
-    response = await post(
-        world, chat_body(world, max_tokens=5, temperature=0, seed=7, stop=["\n"], ignore_eos=True)
+    response = await api_post(
+        world, URL, chat_body(world, max_tokens=5, temperature=0, seed=7, stop=["\n"], ignore_eos=True)
     )
 
     assert response.status_code == 200
@@ -111,9 +105,9 @@ async def test_streamed_chat_sends_role_then_the_same_text_as_the_plain_answer_t
     world, engine_worker
 ):
     body = chat_body(world, max_tokens=8, temperature=0, ignore_eos=True)
-    plain = (await post(world, body)).json()
+    plain = (await api_post(world, URL, body)).json()
 
-    response = await post(world, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    response = await api_post(world, URL, {**body, "stream": True, "stream_options": {"include_usage": True}})
 
     assert response.status_code == 200
     assert response["Content-Type"] == "text/event-stream"
@@ -152,8 +146,8 @@ async def test_streamed_chat_sends_role_then_the_same_text_as_the_plain_answer_t
 async def test_a_repeated_prompt_of_several_blocks_reports_its_cached_tokens(world, engine_worker):
     body = chat_body(world, LONG, max_tokens=3, temperature=0, ignore_eos=True)
 
-    first = (await post(world, body)).json()
-    second = (await post(world, body)).json()
+    first = (await api_post(world, URL, body)).json()
+    second = (await api_post(world, URL, body)).json()
 
     prompt_len = first["usage"]["prompt_tokens"]
     assert prompt_len > 3 * 16
@@ -168,8 +162,10 @@ async def test_a_repeated_prompt_of_several_blocks_reports_its_cached_tokens(wor
 
 
 async def test_chat_logprobs_have_openai_shape_and_greedy_picks_the_top_token(world, engine_worker):
-    response = await post(
-        world, chat_body(world, max_tokens=4, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    response = await api_post(
+        world,
+        URL,
+        chat_body(world, max_tokens=4, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2),
     )
 
     assert response.status_code == 200
@@ -185,9 +181,11 @@ async def test_chat_logprobs_have_openai_shape_and_greedy_picks_the_top_token(wo
 
 
 async def test_n_choices_are_indexed_and_greedy_choices_agree(world, engine_worker):
-    single = (await post(world, chat_body(world, max_tokens=6, temperature=0, ignore_eos=True))).json()
+    single = (
+        await api_post(world, URL, chat_body(world, max_tokens=6, temperature=0, ignore_eos=True))
+    ).json()
 
-    response = await post(world, chat_body(world, max_tokens=6, temperature=0, ignore_eos=True, n=2))
+    response = await api_post(world, URL, chat_body(world, max_tokens=6, temperature=0, ignore_eos=True, n=2))
 
     assert response.status_code == 200
     requests = await queued_requests(world.model)
@@ -203,14 +201,14 @@ async def test_n_choices_are_indexed_and_greedy_choices_agree(world, engine_work
 
 async def test_a_stop_string_from_the_greedy_answer_cuts_the_answer_before_it(world, engine_worker):
     body = chat_body(world, max_tokens=12, temperature=0, ignore_eos=True)
-    full = (await post(world, body)).json()["choices"][0]["message"]["content"]
+    full = (await api_post(world, URL, body)).json()["choices"][0]["message"]["content"]
     # The first two letters in a row past the first character: a stop string that does occur.
     start = next(
         i for i in range(1, len(full) - 1) if full[i : i + 2].isascii() and full[i : i + 2].isalpha()
     )
     stop = full[start : start + 2]
 
-    response = await post(world, {**body, "stop": [stop, "never-in-it"]})
+    response = await api_post(world, URL, {**body, "stop": [stop, "never-in-it"]})
 
     [choice] = response.json()["choices"]
     assert (choice["message"]["content"], choice["finish_reason"]) == (full[: full.index(stop)], "stop")
@@ -218,7 +216,7 @@ async def test_a_stop_string_from_the_greedy_answer_cuts_the_answer_before_it(wo
 
 
 async def test_cache_salt_in_the_body_is_refused(world):
-    response = await post(world, chat_body(world, cache_salt="someone-else"))
+    response = await api_post(world, URL, chat_body(world, cache_salt="someone-else"))
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "cache_salt"
     assert await queued_requests(world.model) == []
@@ -239,7 +237,7 @@ async def test_cache_salt_in_the_body_is_refused(world):
     ],
 )
 async def test_unsupported_or_invalid_fields_are_a_400_naming_the_param(world, extra, param):
-    response = await post(world, chat_body(world, **extra))
+    response = await api_post(world, URL, chat_body(world, **extra))
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -249,7 +247,7 @@ async def test_unsupported_or_invalid_fields_are_a_400_naming_the_param(world, e
 
 
 async def test_a_model_that_is_not_a_string_is_a_wrong_type_not_an_unknown_model(world):
-    response = await post(world, {**chat_body(world), "model": 5})
+    response = await api_post(world, URL, {**chat_body(world), "model": 5})
     assert response.status_code == 400
     assert response.json()["error"] == {
         "message": "Not a valid string.",
@@ -260,7 +258,7 @@ async def test_a_model_that_is_not_a_string_is_a_wrong_type_not_an_unknown_model
 
 
 async def test_an_unknown_field_is_unknown_parameter_as_on_usage(world):
-    chat = await post(world, chat_body(world, frobnicate=1))
+    chat = await api_post(world, URL, chat_body(world, frobnicate=1))
     usage = await AsyncClient().get("/v1/usage?frobnicate=1", headers=world.headers())
     for response in (chat, usage):
         assert response.status_code == 400
@@ -271,15 +269,15 @@ async def test_an_unknown_field_is_unknown_parameter_as_on_usage(world):
 
 
 async def test_bad_key_is_401_with_request_id(world):
-    response = await post(world, chat_body(world), raw_key="sk-nope_nope")
+    response = await api_post(world, URL, chat_body(world), raw_key="sk-nope_nope")
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
     assert response["x-request-id"]
 
 
 async def test_unknown_model_and_another_tenants_model_are_404(world):
-    unknown = await post(world, {**chat_body(world), "model": "no-such-model"})
-    other = await post(world, chat_body(world), raw_key=world.raw_key_b)
+    unknown = await api_post(world, URL, {**chat_body(world), "model": "no-such-model"})
+    other = await api_post(world, URL, chat_body(world), raw_key=world.raw_key_b)
     for response in (unknown, other):
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "model_not_found"
@@ -288,7 +286,7 @@ async def test_unknown_model_and_another_tenants_model_are_404(world):
 
 
 async def test_too_long_prompt_is_400_naming_both_numbers(world):
-    response = await post(world, chat_body(world, max_tokens=250))
+    response = await api_post(world, URL, chat_body(world, max_tokens=250))
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
@@ -306,17 +304,15 @@ async def test_too_long_prompt_is_400_naming_both_numbers(world):
 
 
 async def test_no_live_replica_is_503_and_nothing_is_queued_or_billed(world):
-    response = await post(world, chat_body(world))
+    response = await api_post(world, URL, chat_body(world))
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "engine_unavailable"
     assert await queued_requests(world.model) == []
     assert await ledger() == []
 
 
-async def test_an_exhausted_monthly_quota_is_429_insufficient_quota_and_nothing_is_queued(
-    transactional_db, served_model_dir
-):
-    world = await sync_to_async(make_world)(model_dir=served_model_dir, monthly_token_quota=1000)
+@pytest.mark.world(tenant_a={"monthly_token_quota": 1000})
+async def test_an_exhausted_monthly_quota_is_429_insufficient_quota_and_nothing_is_queued(world):
     # Earlier this month the tenant used its whole quota.
     await sync_to_async(usage_record_create)(
         tenant_id=world.tenant_a.pk,
@@ -332,7 +328,7 @@ async def test_an_exhausted_monthly_quota_is_429_insufficient_quota_and_nothing_
         request_id="earlier",
     )
     with running_engine_worker(world):
-        response = await post(world, chat_body(world, max_tokens=2))
+        response = await api_post(world, URL, chat_body(world, max_tokens=2))
 
     assert response.status_code == 429
     assert response["x-should-retry"] == "false"
@@ -354,7 +350,7 @@ async def test_engine_error_mid_stream_is_an_error_event_then_done(world):
         await world.faults.emit(request.request_id, Event.error("boom", "engine_error", Usage(4, 2)))
 
     faulted = asyncio.create_task(fail_after_two_tokens())
-    response = await post(world, chat_body(world, stream=True))
+    response = await api_post(world, URL, chat_body(world, stream=True))
     events = sse_events(b"".join([chunk async for chunk in response.streaming_content]))
     await faulted
 
@@ -374,7 +370,7 @@ async def test_a_malformed_engine_event_ends_the_stream_with_a_server_error_and_
     from engine.protocol import DeltaOutput, Event
 
     await world.faults.heartbeat()
-    response = await post(world, chat_body(world, stream=True))
+    response = await api_post(world, URL, chat_body(world, stream=True))
     request = await world.faults.next_request()
     await world.faults.emit(request.request_id, Event.delta([DeltaOutput(0, "Hi", [5, 6])]))
     chunks = aiter(response.streaming_content)

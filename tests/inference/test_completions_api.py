@@ -7,9 +7,9 @@ import json
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.test import AsyncClient
 
 from inference.tokenization import text_prompt_ids
+from tests.helpers import api_post
 from tests.inference.conftest import offline_outputs, queued_requests
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -17,17 +17,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 URL = "/v1/completions"
 
 
-async def post(world, body: dict):
-    return await AsyncClient().post(
-        URL, json.dumps(body), content_type="application/json", headers=world.headers()
-    )
-
-
 async def test_text_completion_has_openai_shape_and_the_engines_greedy_text(
     world, engine_worker, reference_llm
 ):
-    response = await post(
-        world, {"model": world.model, "prompt": "Once upon", "max_tokens": 4, "temperature": 0}
+    response = await api_post(
+        world, URL, {"model": world.model, "prompt": "Once upon", "max_tokens": 4, "temperature": 0}
     )
 
     assert response.status_code == 200
@@ -50,8 +44,9 @@ async def test_text_completion_has_openai_shape_and_the_engines_greedy_text(
 async def test_list_of_prompts_is_one_engine_request_each_with_choice_indices(
     world, engine_worker, reference_llm
 ):
-    response = await post(
+    response = await api_post(
         world,
+        URL,
         {
             "model": world.model,
             "prompt": [[5, 6, 7], [8, 9]],
@@ -86,9 +81,9 @@ async def test_streamed_completion_with_logprobs_matches_the_plain_answer(world,
         "ignore_eos": True,
         "logprobs": 1,
     }
-    plain = (await post(world, body)).json()["choices"][0]
+    plain = (await api_post(world, URL, body)).json()["choices"][0]
 
-    response = await post(world, {**body, "stream": True})
+    response = await api_post(world, URL, {**body, "stream": True})
 
     raw = b"".join([c async for c in response.streaming_content]).decode()
     assert raw.endswith("data: [DONE]\n\n")
@@ -117,13 +112,13 @@ async def test_streamed_completion_with_logprobs_matches_the_plain_answer(world,
     [([], "prompt"), ([1, "a"], "prompt"), ([5000], "prompt"), (None, "prompt")],
 )
 async def test_bad_prompts_are_400(world, prompt, param):
-    response = await post(world, {"model": world.model, "prompt": prompt})
+    response = await api_post(world, URL, {"model": world.model, "prompt": prompt})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
     assert await queued_requests(world.model) == []
 
 
 async def test_echo_is_refused(world):
-    response = await post(world, {"model": world.model, "prompt": "a", "echo": True})
+    response = await api_post(world, URL, {"model": world.model, "prompt": "a", "echo": True})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "echo"

@@ -17,7 +17,7 @@ from engine.protocol import cancel_request_id, cancel_stream
 from inference.services import ChoiceDelta, Generation, generation_start
 from tenants.models import UsageRecord
 from tenants.services import api_key_authenticate
-from tests.inference.conftest import make_world, queued_requests, running_engine_worker
+from tests.inference.conftest import engine_idle, queued_requests, running_engine_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,15 +34,6 @@ async def _cancels(world) -> list[str]:
 
     entries = await get_async_redis().xrange(cancel_stream(settings.REDIS_PREFIX, world.model))
     return [cancel_request_id(fields) for _, fields in entries]
-
-
-async def _until_idle(worker) -> object:
-    for _ in range(200):  # the engine drops an aborted sequence at its next step
-        stats = worker.stats()
-        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
-            break
-        await asyncio.sleep(0.05)
-    return stats
 
 
 async def test_a_generation_closed_mid_stream_signals_abort_and_bills_only_delivered_tokens(
@@ -62,7 +53,7 @@ async def test_a_generation_closed_mid_stream_signals_abort_and_bills_only_deliv
         len(first.token_ids),
         len(request.prompt_token_ids),
     )
-    stats = await _until_idle(engine_worker)
+    stats = await engine_idle(engine_worker)
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_total_blocks)
 
 
@@ -85,7 +76,7 @@ async def test_a_cancelled_task_still_settles_once(world, engine_worker):
     assert [r.status for r in rows] == ["cancelled"]
     assert 1 <= rows[0].completion_tokens < 200
     assert await _cancels(world) == [generation.plan.request_id]
-    assert (await _until_idle(engine_worker)).num_running == 0
+    assert (await engine_idle(engine_worker)).num_running == 0
 
 
 async def test_the_stream_fails_instead_of_hanging_when_every_replica_is_gone(world):
@@ -112,8 +103,8 @@ async def test_the_stream_fails_instead_of_hanging_when_every_replica_is_gone(wo
     assert (row.status, row.completion_tokens) == ("error", 0)
 
 
-async def test_rate_limit_is_429_with_headers_and_nothing_queued(transactional_db, served_model_dir):
-    world = await sync_to_async(make_world)(model_dir=served_model_dir, requests_per_minute=1)
+@pytest.mark.world(tenant_a={"requests_per_minute": 1})
+async def test_rate_limit_is_429_with_headers_and_nothing_queued(world):
     body = json.dumps(
         {"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     )

@@ -3,7 +3,6 @@ engine replica publishing its heartbeats."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -12,6 +11,7 @@ from django.contrib.auth import get_user_model
 from django.test import AsyncClient, Client
 
 from inference.models import ModelDeployment
+from tests.helpers import async_wait_until
 from tests.inference.conftest import NUM_BLOCKS
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -72,13 +72,14 @@ async def _heartbeat_matching(worker) -> object:
     """The replica's own stats, once its published heartbeat shows them (it beats every 0.2 s)."""
     from inference.selectors import deployment_replicas
 
-    for _ in range(100):
+    async def matching() -> object:
         stats = worker.stats()
         [published] = await sync_to_async(deployment_replicas)(name=worker.settings.model)
         if (published.num_running, published.prefix_cache_hit_rate) == (0, stats.prefix_cache_hit_rate):
             return published
-        await asyncio.sleep(0.05)
-    raise AssertionError("the replica's heartbeat never showed it idle")
+        return None
+
+    return await async_wait_until(matching, timeout=5, what="the replica's heartbeat to show it idle")
 
 
 async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(

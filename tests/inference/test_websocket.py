@@ -3,7 +3,6 @@ LLMEngine and the Redis loop, in a thread of this process)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -11,7 +10,7 @@ from channels.testing import WebsocketCommunicator
 
 from config.asgi import application
 from tenants.models import UsageRecord
-from tests.inference.conftest import queued_requests
+from tests.inference.conftest import engine_idle, queued_requests
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -140,11 +139,7 @@ async def test_cancel_stops_one_stream_bills_only_what_was_produced_and_frees_it
     assert 1 <= produced < 200
     row = await UsageRecord.objects.aget(request_id=cancelled["request_id"])
     assert (row.status, row.completion_tokens) == ("cancelled", produced)
-    for _ in range(200):  # the engine drops the sequence at its next step
-        stats = engine_worker.stats()
-        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
-            break
-        await asyncio.sleep(0.05)
+    stats = await engine_idle(engine_worker)
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_total_blocks
     await communicator.disconnect()

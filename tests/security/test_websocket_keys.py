@@ -15,6 +15,7 @@ from inference.services import generation as generation_module
 from tenants.models import UsageRecord
 from tenants.ratelimit import limiter
 from tenants.services import api_key_revoke, tenant_set_active
+from tests.helpers import async_wait_until
 from tests.inference.conftest import queued_requests
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -59,7 +60,7 @@ async def test_a_socket_that_never_authenticates_is_closed(world, settings):
 async def test_an_authenticated_socket_is_not_closed_by_the_auth_timeout(world, settings, engine_worker):
     settings.WEBSOCKET_AUTH_TIMEOUT = 0.3
     communicator = await _authenticated(world)
-    await asyncio.sleep(0.6)  # the passage of time is what is tested: past the deadline
+    await asyncio.sleep(0.6)  # a passage of time, not a synchronisation: past the auth deadline
     await communicator.send_json_to(_chat("s1", world.model))
     kinds = []
     while not kinds or kinds[-1] not in ("done", "error"):
@@ -117,14 +118,13 @@ async def test_a_cancel_during_admission_is_answered_and_gives_everything_back(
             "prompt_tokens_details": {"cached_tokens": 0},
         },
     }
+
     # The reservation completes in its thread, then is given back: poll until it has been.
-    deadline = asyncio.get_running_loop().time() + 30
-    row = None
-    while asyncio.get_running_loop().time() < deadline:
+    async def settled() -> UsageRecord | None:
         row = await UsageRecord.objects.filter(tenant_id=world.tenant_a.pk).afirst()
-        if row is not None and limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 0:
-            break
-        await asyncio.sleep(0.05)
+        return row if row is not None and limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 0 else None
+
+    row = await async_wait_until(settled, timeout=30, what="the cancelled reservation to be given back")
     assert row is not None and (row.status, row.prompt_tokens, row.completion_tokens) == ("cancelled", 0, 0)
     assert limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 0
     assert await UsageRecord.objects.acount() == 1

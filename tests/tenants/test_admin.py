@@ -14,7 +14,7 @@ from django.test import Client
 from core.errors import AuthenticationError
 from tenants.models import ApiKey, Membership, Tenant, UsageDaily, UsageRecord
 from tenants.services import api_key_authenticate, api_key_create, usage_record_create, usage_rollup
-from tests.tenants.conftest import MODEL
+from tests.helpers import MODEL
 
 DEFAULT_RPM = settings.TENANT_DEFAULT_LIMITS["requests_per_minute"]  # the world's tenants have the defaults
 pytestmark = pytest.mark.django_db

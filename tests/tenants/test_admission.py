@@ -21,7 +21,7 @@ from tenants.services import (
     tenant_create,
     tenant_limits_update,
 )
-from tests.tenants.conftest import MODEL
+from tests.helpers import MODEL
 
 
 def _period() -> str:

@@ -8,7 +8,7 @@ import json
 import pytest
 from django.test import Client
 
-from tests.tenants.conftest import MODEL
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.django_db
 
@@ -32,7 +32,7 @@ def _assert_openai_error(response, status: int, code: str, param: str | None = N
 
 @pytest.fixture
 def client(world) -> Client:
-    return Client(headers={"Authorization": f"Bearer {world.raw_key_a}"})
+    return Client(headers=world.headers())
 
 
 @pytest.mark.parametrize(
@@ -174,9 +174,7 @@ def test_a_body_over_the_upload_limit_is_413_json_not_an_html_page(client, setti
 
 
 def test_a_host_outside_allowed_hosts_gets_json_on_v1(world):
-    response = Client(headers={"Authorization": f"Bearer {world.raw_key_a}"}).get(
-        "/v1/usage", HTTP_HOST="evil.example"
-    )
+    response = Client(headers=world.headers()).get("/v1/usage", HTTP_HOST="evil.example")
     _assert_openai_error(response, 400, "invalid_request_error")
 
 

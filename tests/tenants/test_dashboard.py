@@ -1,6 +1,7 @@
 """The tenant dashboard through Django's test client, against the real database and Redis.
 
-World: tenant A with an owner, an admin and a member; tenant B with an outsider who owns it.
+World: the fixture world (tests/conftest.py) named as people would see it: tenant A is Acme
+Research (an owner, an admin and a member), tenant B is Globex Labs, owned by the outsider.
 """
 
 from __future__ import annotations
@@ -25,51 +26,27 @@ from tenants.services import (
     tenant_create,
     usage_record_create,
 )
+from tests.helpers import PASSWORD, logged_in
 
 pytestmark = pytest.mark.django_db
 
-PASSWORD = "correct horse battery staple"
-
-
-def _user(username: str):
-    return get_user_model().objects.create_user(username=username, password=PASSWORD)
-
 
 @pytest.fixture
-def world():
-    tenant_a = tenant_create(
-        name="Acme Research",
-        slug="acme",
-        requests_per_minute=600,
-        tokens_per_minute=90_000,
-        max_concurrent_requests=8,
-        monthly_token_quota=1_000_000,
-        allowed_models=["tiny-llama", "tiny-qwen"],
-    )
-    tenant_b = tenant_create(name="Globex Labs", slug="globex", allowed_models=["globex-secret-model"])
-    owner, admin, member, outsider = (_user(n) for n in ("olivia", "adam", "mia", "oscar"))
-    membership_create(tenant=tenant_a, user=owner, role=Membership.Role.OWNER)
-    membership_create(tenant=tenant_a, user=admin, role=Membership.Role.ADMIN)
-    membership_create(tenant=tenant_a, user=member, role=Membership.Role.MEMBER)
-    membership_create(tenant=tenant_b, user=outsider, role=Membership.Role.OWNER)
-    key_a, _ = api_key_create(tenant=tenant_a, name="acme-prod", created_by=owner)
-    key_b, _ = api_key_create(tenant=tenant_b, name="globex-prod", created_by=outsider)
+def world_options() -> dict:
     return {
-        "a": tenant_a,
-        "b": tenant_b,
-        "owner": owner,
-        "admin": admin,
-        "member": member,
-        "outsider": outsider,
-        "key_a": key_a,
-        "key_b": key_b,
+        "tenant_a": {
+            "name": "Acme Research",
+            "slug": "acme",
+            "requests_per_minute": 600,
+            "tokens_per_minute": 90_000,
+            "max_concurrent_requests": 8,
+            "monthly_token_quota": 1_000_000,
+            "allowed_models": ["tiny-llama", "tiny-qwen"],
+        },
+        "tenant_b": {"name": "Globex Labs", "slug": "globex", "allowed_models": ["globex-secret-model"]},
+        "usernames": ("olivia", "adam", "mia", "oscar"),
+        "key_names": ("acme-prod", "globex-prod"),
     }
-
-
-def _client(user, *, enforce_csrf: bool = False) -> Client:
-    client = Client(enforce_csrf_checks=enforce_csrf)
-    client.force_login(user)
-    return client
 
 
 def _record(*, key: ApiKey, model: str, prompt: int, completion: int, days_ago: int = 0, status="success"):
@@ -108,7 +85,7 @@ def test_user_logs_in_with_the_form_and_lands_on_their_tenant(world):
 
 
 def test_member_sees_only_their_own_tenant(world):
-    response = _client(world["member"]).get(reverse("dashboard:overview", args=["acme"]))
+    response = logged_in(world.member_a).get(reverse("dashboard:overview", args=["acme"]))
     html = response.content.decode()
 
     assert response.status_code == 200
@@ -118,19 +95,19 @@ def test_member_sees_only_their_own_tenant(world):
 
 
 def test_user_with_two_memberships_gets_a_switcher_listing_exactly_those_tenants(world):
-    membership_create(tenant=world["b"], user=world["member"], role=Membership.Role.MEMBER)
+    membership_create(tenant=world.tenant_b, user=world.member_a, role=Membership.Role.MEMBER)
     tenant_create(name="Initech", slug="initech")
 
-    html = _client(world["member"]).get(reverse("dashboard:overview", args=["acme"])).content.decode()
+    html = logged_in(world.member_a).get(reverse("dashboard:overview", args=["acme"])).content.decode()
 
     switcher = html.split('id="tenant-switch"', 1)[1].split("</select>", 1)[0]
     assert re.findall(r'value="([^"]+)"', switcher) == ["acme", "globex"]
-    switch = _client(world["member"]).get(reverse("dashboard:switch") + "?tenant=globex")
+    switch = logged_in(world.member_a).get(reverse("dashboard:switch") + "?tenant=globex")
     assert switch["Location"] == "/dashboard/t/globex/"
 
 
 def _tenant_a_urls(world) -> list[tuple[str, str]]:
-    key = world["key_a"].pk
+    key = world.key_a.pk
     return [
         ("get", reverse("dashboard:overview", args=["acme"])),
         ("get", reverse("dashboard:keys", args=["acme"])),
@@ -144,7 +121,7 @@ def _tenant_a_urls(world) -> list[tuple[str, str]]:
 
 
 def test_outsider_gets_404_on_every_dashboard_url_of_tenant_a(world):
-    client = _client(world["outsider"])
+    client = logged_in(world.outsider_b)
 
     for method, url in _tenant_a_urls(world):
         data = {"name": "stolen"} if method == "post" else None
@@ -152,9 +129,9 @@ def test_outsider_gets_404_on_every_dashboard_url_of_tenant_a(world):
         assert response.status_code == 404, (method, url)
         assert "Acme" not in response.content.decode()
 
-    assert ApiKey.objects.filter(tenant=world["a"]).count() == 1
-    world["key_a"].refresh_from_db()
-    assert world["key_a"].revoked_at is None
+    assert ApiKey.objects.filter(tenant=world.tenant_a).count() == 1
+    world.key_a.refresh_from_db()
+    assert world.key_a.revoked_at is None
 
 
 def _tenant_routes() -> list[str]:
@@ -189,37 +166,37 @@ def _fill(route: str, *, slug: str, key_id: int) -> str:
 def test_outsider_cannot_tell_tenant_a_exists_from_any_tenant_url(world):
     routes = _tenant_routes()
     assert "/dashboard/t/<slug:slug>/keys/<int:key_id>/revoke/" in routes
-    client = _client(world["outsider"])
+    client = logged_in(world.outsider_b)
 
     for route in routes:
         statuses = {}
         for method in ("get", "post"):
-            real = getattr(client, method)(_fill(route, slug="acme", key_id=world["key_a"].pk))
-            missing = getattr(client, method)(_fill(route, slug="no-such-tenant", key_id=world["key_a"].pk))
+            real = getattr(client, method)(_fill(route, slug="acme", key_id=world.key_a.pk))
+            missing = getattr(client, method)(_fill(route, slug="no-such-tenant", key_id=world.key_a.pk))
             assert real.status_code == missing.status_code, (method, route)
             assert "Acme" not in real.content.decode()
             statuses[method] = real.status_code
         # 405 only where the view takes the other method whoever asks; a tenant route is 404.
         assert set(statuses.values()) <= {404, 405} and 404 in statuses.values(), (route, statuses)
 
-    assert list(ApiKey.objects.filter(tenant=world["a"]).values_list("name", "revoked_at")) == [
+    assert list(ApiKey.objects.filter(tenant=world.tenant_a).values_list("name", "revoked_at")) == [
         ("acme-prod", None)
     ]
 
 
 def test_tenant_b_key_is_404_through_tenant_a_urls_even_for_a_member_of_both(world):
-    membership_create(tenant=world["b"], user=world["owner"], role=Membership.Role.MEMBER)
-    client = _client(world["owner"])
-    key_b = world["key_b"].pk
+    membership_create(tenant=world.tenant_b, user=world.owner_a, role=Membership.Role.MEMBER)
+    client = logged_in(world.owner_a)
+    key_b = world.key_b.pk
 
     assert client.get(reverse("dashboard:key_detail", args=["acme", key_b])).status_code == 404
     assert client.post(reverse("dashboard:key_revoke", args=["acme", key_b])).status_code == 404
-    world["key_b"].refresh_from_db()
-    assert world["key_b"].revoked_at is None
+    world.key_b.refresh_from_db()
+    assert world.key_b.revoked_at is None
 
 
 def test_member_role_sees_keys_read_only_and_cannot_create_or_revoke(world):
-    client = _client(world["member"])
+    client = logged_in(world.member_a)
 
     page = client.get(reverse("dashboard:keys", args=["acme"])).content.decode()
     assert "acme-prod" in page
@@ -228,17 +205,17 @@ def test_member_role_sees_keys_read_only_and_cannot_create_or_revoke(world):
     assert "revoke-link" not in page
 
     created = client.post(reverse("dashboard:key_create", args=["acme"]), {"name": "mine"})
-    revoke = client.post(reverse("dashboard:key_revoke", args=["acme", world["key_a"].pk]))
+    revoke = client.post(reverse("dashboard:key_revoke", args=["acme", world.key_a.pk]))
 
     assert created.status_code == 403
     assert revoke.status_code == 403
-    assert list(ApiKey.objects.filter(tenant=world["a"]).values_list("name", flat=True)) == ["acme-prod"]
-    world["key_a"].refresh_from_db()
-    assert world["key_a"].revoked_at is None
+    assert list(ApiKey.objects.filter(tenant=world.tenant_a).values_list("name", flat=True)) == ["acme-prod"]
+    world.key_a.refresh_from_db()
+    assert world.key_a.revoked_at is None
 
 
 def test_owner_creates_a_key_and_its_secret_is_shown_exactly_once(world):
-    client = _client(world["owner"])
+    client = logged_in(world.owner_a)
 
     response = client.post(
         reverse("dashboard:key_create", args=["acme"]), {"name": "ci runner", "expires_in_days": "30"}
@@ -251,9 +228,9 @@ def test_owner_creates_a_key_and_its_secret_is_shown_exactly_once(world):
         response.content.decode(),
     )
     raw_key = next(g for g in secret.groups() if g)
-    key = ApiKey.objects.get(tenant=world["a"], name="ci runner")
+    key = ApiKey.objects.get(tenant=world.tenant_a, name="ci runner")
     assert raw_key.startswith(key.display_prefix + "_")
-    assert key.created_by == world["owner"]
+    assert key.created_by == world.owner_a
     assert timedelta(days=29, hours=23) < key.expires_at - timezone.now() <= timedelta(days=30)
     assert raw_key not in (key.digest, key.prefix)
     assert api_key_authenticate(raw_key=raw_key).api_key_id == key.pk
@@ -271,16 +248,16 @@ def test_owner_creates_a_key_and_its_secret_is_shown_exactly_once(world):
 
 
 def test_key_create_with_a_blank_name_shows_the_error_and_creates_nothing(world):
-    response = _client(world["admin"]).post(reverse("dashboard:key_create", args=["acme"]), {"name": "  "})
+    response = logged_in(world.admin_a).post(reverse("dashboard:key_create", args=["acme"]), {"name": "  "})
 
     assert response.status_code == 400
     assert "This field is required." in response.content.decode()
-    assert ApiKey.objects.filter(tenant=world["a"]).count() == 1
+    assert ApiKey.objects.filter(tenant=world.tenant_a).count() == 1
 
 
 def test_admin_revokes_a_key_after_a_confirmation_page(world):
-    client = _client(world["admin"])
-    _, raw_key = api_key_create(tenant=world["a"], name="to revoke", created_by=world["owner"])
+    client = logged_in(world.admin_a)
+    _, raw_key = api_key_create(tenant=world.tenant_a, name="to revoke", created_by=world.owner_a)
     key = ApiKey.objects.get(name="to revoke")
     url = reverse("dashboard:key_revoke", args=["acme", key.pk])
 
@@ -302,20 +279,20 @@ def test_admin_revokes_a_key_after_a_confirmation_page(world):
 
 
 def test_revoke_without_a_csrf_token_is_refused(world):
-    client = _client(world["owner"], enforce_csrf=True)
+    client = logged_in(world.owner_a, enforce_csrf=True)
 
-    response = client.post(reverse("dashboard:key_revoke", args=["acme", world["key_a"].pk]))
+    response = client.post(reverse("dashboard:key_revoke", args=["acme", world.key_a.pk]))
 
     assert response.status_code == 403
-    world["key_a"].refresh_from_db()
-    assert world["key_a"].revoked_at is None
+    world.key_a.refresh_from_db()
+    assert world.key_a.revoked_at is None
 
 
 def test_overview_shows_limits_and_the_monthly_quota_remaining(world):
-    _record(key=world["key_a"], model="tiny-llama", prompt=200_000, completion=50_000)
-    _record(key=world["key_b"], model="globex-secret-model", prompt=9_000, completion=9_000)
+    _record(key=world.key_a, model="tiny-llama", prompt=200_000, completion=50_000)
+    _record(key=world.key_b, model="globex-secret-model", prompt=9_000, completion=9_000)
 
-    html = _client(world["member"]).get(reverse("dashboard:overview", args=["acme"])).content.decode()
+    html = logged_in(world.member_a).get(reverse("dashboard:overview", args=["acme"])).content.decode()
 
     assert re.search(r'id="limit-rpm">.*?600<', html, re.S)
     assert re.search(r'id="limit-tpm">.*?90,000<', html, re.S)
@@ -327,14 +304,14 @@ def test_overview_shows_limits_and_the_monthly_quota_remaining(world):
 
 
 def test_usage_page_charts_and_tables_per_day_and_per_model(world):
-    key = world["key_a"]
+    key = world.key_a
     _record(key=key, model="tiny-llama", prompt=100, completion=20)
     _record(key=key, model="tiny-qwen", prompt=300, completion=40)
     _record(key=key, model="tiny-llama", prompt=10, completion=0, days_ago=2, status="error")
     _record(key=key, model="tiny-llama", prompt=5_000, completion=5_000, days_ago=40)  # outside 30 days
-    _record(key=world["key_b"], model="globex-secret-model", prompt=777, completion=777)
+    _record(key=world.key_b, model="globex-secret-model", prompt=777, completion=777)
 
-    response = _client(world["member"]).get(reverse("dashboard:usage", args=["acme"]))
+    response = logged_in(world.member_a).get(reverse("dashboard:usage", args=["acme"]))
     html = response.content.decode()
 
     assert response.status_code == 200
@@ -361,12 +338,12 @@ def test_usage_page_charts_and_tables_per_day_and_per_model(world):
     assert '<div class="stat-value" id="total-requests">3</div>' in html
     assert "globex" not in html
 
-    ninety = _client(world["member"]).get(reverse("dashboard:usage", args=["acme"]) + "?days=90")
+    ninety = logged_in(world.member_a).get(reverse("dashboard:usage", args=["acme"]) + "?days=90")
     assert '<div class="stat-value" id="total-requests">4</div>' in ninety.content.decode()
 
 
 def test_playground_offers_the_tenant_models_and_the_websocket_path(world):
-    html = _client(world["member"]).get(reverse("dashboard:playground", args=["acme"])).content.decode()
+    html = logged_in(world.member_a).get(reverse("dashboard:playground", args=["acme"])).content.decode()
 
     options = re.findall(
         r'<option value="([^"]+)"', html.split('id="pg-model"', 1)[1].split("</select>", 1)[0]
@@ -376,14 +353,16 @@ def test_playground_offers_the_tenant_models_and_the_websocket_path(world):
 
 
 def test_user_without_membership_sees_the_no_tenant_page(world):
-    response = _client(_user("nobody")).get(reverse("dashboard:home"))
+    response = logged_in(get_user_model().objects.create_user(username="nobody", password=PASSWORD)).get(
+        reverse("dashboard:home")
+    )
 
     assert response.status_code == 403
     assert "No tenant yet" in response.content.decode()
 
 
 def test_logout_is_a_post_and_ends_the_session(world):
-    client = _client(world["member"])
+    client = logged_in(world.member_a)
 
     response = client.post(reverse("dashboard:logout"))
 
@@ -393,6 +372,6 @@ def test_logout_is_a_post_and_ends_the_session(world):
 
 @pytest.mark.parametrize("value", ["not a slug", "../admin", "acme/keys", "é"])
 def test_switching_to_something_that_is_not_a_tenant_slug_is_404_not_a_crash(world, value):
-    response = _client(world["member"]).get(reverse("dashboard:switch"), {"tenant": value})
+    response = logged_in(world.member_a).get(reverse("dashboard:switch"), {"tenant": value})
 
     assert response.status_code == 404

@@ -19,7 +19,7 @@ from tenants.services import (
     tenant_limits_update,
     usage_record_create,
 )
-from tests.tenants.conftest import MODEL, bearer
+from tests.helpers import MODEL, bearer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -88,6 +88,7 @@ def test_the_window_slides_instead_of_resetting(world, monkeypatch):
     monkeypatch.setattr(limiter, "WINDOW_SECONDS", 1)
     auth = _auth(world, requests_per_minute=4)
     request_admit(auth=auth)
+    # Passages of time, not synchronisations: the window is Redis's clock (TIME), which no test moves.
     time.sleep(0.5)
     for _ in range(3):
         request_admit(auth=auth)
@@ -191,7 +192,7 @@ def test_a_slot_leaked_by_a_dead_process_frees_itself_after_its_lease(world, set
     _reserve(auth)  # never settled: the process "died"
     with pytest.raises(RateLimitError):
         _reserve(auth)
-    time.sleep(1.1)
+    time.sleep(1.1)  # a passage of time: the lease expires by Redis's clock, which no test moves
     _reserve(auth)
 
 

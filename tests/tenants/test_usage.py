@@ -9,7 +9,7 @@ from tenants.models import UsageDaily, UsageRecord
 from tenants.selectors import quota_used_this_month
 from tenants.services import usage_record_create, usage_rollup
 from tenants.tasks import usage_rollup_day, usage_rollup_recent
-from tests.tenants.conftest import MODEL, bearer
+from tests.helpers import MODEL, bearer
 
 DAY1, DAY2 = date(2026, 3, 9), date(2026, 3, 10)
 
