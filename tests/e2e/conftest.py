@@ -21,12 +21,20 @@ def e2e_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def committed_db(django_db_setup, django_db_blocker) -> Iterator[Callable[[], AbstractContextManager]]:
     """`with committed_db(): ...` writes to the test database in autocommit, so daphne and the
     engines (other processes) see the rows at once. The module's rows are removed after its last
-    test, as a transactional test case would, so later tests start from an empty database."""
+    test, as a transactional test case would, so later tests start from an empty database; and so
+    is what the module left in Redis (rate-limit logs, quota counters, streams), since `flush`
+    restarts the ids those keys are named by."""
+    from django.conf import settings
     from django.core.management import call_command
+
+    from core.redis_client import get_redis
 
     yield django_db_blocker.unblock
     with django_db_blocker.unblock():
         call_command("flush", interactive=False, verbosity=0)
+    client = get_redis()
+    for key in client.scan_iter(match=settings.REDIS_PREFIX + "*", count=1000):
+        client.delete(key)
 
 
 @pytest.hookimpl(hookwrapper=True)

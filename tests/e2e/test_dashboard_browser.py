@@ -9,17 +9,15 @@ import urllib.request
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from tenants.models import ApiKey, Membership, UsageRecord
+from tenants.models import ApiKey, UsageRecord
 from tenants.selectors import quota_status
-from tenants.services import api_key_create, membership_create, tenant_create, usage_record_create
+from tenants.services import usage_record_create
 from tests.e2e.browser import chromium, daphne_server, log_in, screenshot
+from tests.helpers import PASSWORD
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
-
-PASSWORD = "e2e-dashboard-password-9"
 
 
 def _status_with_key(base_url: str, raw_key: str) -> int:
@@ -56,28 +54,35 @@ def _seed_usage(key: ApiKey) -> None:
         UsageRecord.objects.filter(pk=record.pk).update(created_at=timezone.now() - timedelta(days=days_ago))
 
 
-def test_owner_creates_sees_secret_once_and_revokes_a_key_in_the_browser(tmp_path):
+@pytest.fixture
+def world_options() -> dict:
+    """Acme Research with limits and two models; its owner, olivia, works in the browser."""
+    return {
+        "tenant_a": {
+            "name": "Acme Research",
+            "slug": "acme",
+            "requests_per_minute": 600,
+            "tokens_per_minute": 90_000,
+            "max_concurrent_requests": 8,
+            "monthly_token_quota": 100_000,
+            "allowed_models": ["tiny-llama", "tiny-qwen"],
+        },
+        "usernames": ("olivia", "adam", "mia", "otto"),
+        "key_names": ("existing", "b-key"),
+    }
+
+
+def test_owner_creates_sees_secret_once_and_revokes_a_key_in_the_browser(tmp_path, world):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    tenant = tenant_create(
-        name="Acme Research",
-        slug="acme",
-        requests_per_minute=600,
-        tokens_per_minute=90_000,
-        max_concurrent_requests=8,
-        monthly_token_quota=100_000,
-        allowed_models=["tiny-llama", "tiny-qwen"],
-    )
-    owner = get_user_model().objects.create_user(username="olivia", password=PASSWORD)
-    membership_create(tenant=tenant, user=owner, role=Membership.Role.OWNER)
-    existing, _ = api_key_create(tenant=tenant, name="existing", created_by=owner)
-    _seed_usage(existing)
+    tenant = world.tenant_a
+    _seed_usage(world.key_a)
 
     with daphne_server(log_path=tmp_path / "daphne.log") as base_url, chromium() as driver:
         wait = WebDriverWait(driver, 20)
-        log_in(driver, base_url, username="olivia", password=PASSWORD)
+        log_in(driver, base_url, username=world.owner_a.username, password=PASSWORD)
         assert driver.current_url == f"{base_url}/dashboard/t/acme/"
         limits = {
             name: driver.find_element(By.CSS_SELECTOR, f"#{name} .stat-value").text

@@ -25,10 +25,10 @@ from django.db.models import F, Sum
 
 from core.redis_client import get_redis
 from engine.protocol import Event, output_stream
-from inference.models import ModelDeployment
 from tenants.models import Tenant, UsageRecord
 from tenants.ratelimit import limiter
-from tenants.services import api_key_create, quota_period, tenant_create
+from tenants.services import quota_period
+from tests.conftest import make_world
 from tests.e2e.stack import ServingStack, serving_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
@@ -57,29 +57,31 @@ class World:
 @pytest.fixture(scope="module")
 def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
     with committed_db():
-        ModelDeployment.objects.create(
-            name=MODEL,
-            model_path=str(e2e_model_dir),
-            max_model_len=MAX_MODEL_LEN,
-            engine_settings={
-                "device": "cpu",
-                "num_blocks": 192,
-                "block_size": 16,
-                # One sequence runs at a time and up to four are held: requests queued behind a
-                # running one sit in its replica, unstarted, which is what a kill must not lose.
-                "max_num_seqs": 1,
-                "max_held": 4,
-                "claim_timeout_ms": CLAIM_TIMEOUT_MS,
+        # Two tenants of the world, both allowed the model, so each test's ledger is its own.
+        base = make_world(
+            model=MODEL,
+            model_dir=e2e_model_dir,
+            deployment={
+                "max_model_len": MAX_MODEL_LEN,
+                "engine_settings": {
+                    "device": "cpu",
+                    "num_blocks": 192,
+                    "block_size": 16,
+                    # One sequence runs at a time and up to four are held: requests queued behind a
+                    # running one sit in its replica, unstarted, which is what a kill must not lose.
+                    "max_num_seqs": 1,
+                    "max_held": 4,
+                    "claim_timeout_ms": CLAIM_TIMEOUT_MS,
+                },
             },
+            tenant_a={"name": "Failover", "slug": "e2e-failover", "allowed_models": [MODEL], **LIMITS},
+            tenant_b={"name": "Canceller", "slug": "e2e-canceller", "allowed_models": [MODEL], **LIMITS},
+            key_names=("failover-key", "canceller-key"),
         )
-        failover = tenant_create(name="Failover", slug="e2e-failover", allowed_models=[MODEL], **LIMITS)
-        canceller = tenant_create(name="Canceller", slug="e2e-canceller", allowed_models=[MODEL], **LIMITS)
-        _, raw_key_failover = api_key_create(tenant=failover, name="failover-key")
-        _, raw_key_canceller = api_key_create(tenant=canceller, name="canceller-key")
     with serving_stack(
         model=MODEL, replica_ids=["a", "b"], log_dir=tmp_path_factory.mktemp("e2e-failure-logs")
     ) as stack:
-        yield World(stack, failover, raw_key_failover, canceller, raw_key_canceller)
+        yield World(stack, base.tenant_a, base.raw_key_a, base.tenant_b, base.raw_key_b)
 
 
 def assert_settled(tenant: Tenant, request_ids: list[str]) -> None:

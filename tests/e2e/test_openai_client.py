@@ -17,9 +17,9 @@ from functools import cached_property
 import openai
 import pytest
 
-from inference.models import ModelDeployment
 from tenants.models import ApiKey, Tenant, UsageRecord
 from tenants.services import api_key_create, tenant_create
+from tests.conftest import make_world
 from tests.e2e.stack import ServingStack, serving_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
@@ -56,26 +56,41 @@ class World:
 @pytest.fixture(scope="module")
 def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
     with committed_db():
-        ModelDeployment.objects.create(
-            name=MODEL,
-            model_path=str(e2e_model_dir),
-            max_model_len=MAX_MODEL_LEN,
-            engine_settings={"device": "cpu", "num_blocks": 128, "block_size": BLOCK_SIZE, "max_num_seqs": 8},
+        # A may use the model, B only one of its own; C and a rate-limited tenant besides.
+        base = make_world(
+            model=MODEL,
+            model_dir=e2e_model_dir,
+            deployment={
+                "max_model_len": MAX_MODEL_LEN,
+                "engine_settings": {
+                    "device": "cpu",
+                    "num_blocks": 128,
+                    "block_size": BLOCK_SIZE,
+                    "max_num_seqs": 8,
+                },
+            },
+            tenant_a={"slug": "e2e-a"},
+            tenant_b={"slug": "e2e-b", "allowed_models": ["b-own-model"]},
         )
-        tenant_a = tenant_create(name="Tenant A", slug="e2e-a", allowed_models=[MODEL])
-        tenant_b = tenant_create(name="Tenant B", slug="e2e-b", allowed_models=["b-own-model"])
         tenant_c = tenant_create(name="Tenant C", slug="e2e-c", allowed_models=[MODEL])
         limited = tenant_create(
             name="Tenant L", slug="e2e-limited", requests_per_minute=3, allowed_models=[MODEL]
         )
-        key_a, raw_key_a = api_key_create(tenant=tenant_a, name="a-key")
-        _, raw_key_b = api_key_create(tenant=tenant_b, name="b-key")
         _, raw_key_c = api_key_create(tenant=tenant_c, name="c-key")
         _, raw_key_limited = api_key_create(tenant=limited, name="limited-key")
     with serving_stack(
         model=MODEL, replica_ids=["solo"], log_dir=tmp_path_factory.mktemp("e2e-client-logs")
     ) as stack:
-        yield World(stack, tenant_a, key_a, raw_key_a, raw_key_b, raw_key_c, limited, raw_key_limited)
+        yield World(
+            stack,
+            base.tenant_a,
+            base.key_a,
+            base.raw_key_a,
+            base.raw_key_b,
+            raw_key_c,
+            limited,
+            raw_key_limited,
+        )
 
 
 def chat_stream_texts(stream) -> tuple[dict[int, str], dict[int, str], list]:

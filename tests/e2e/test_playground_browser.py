@@ -4,16 +4,13 @@ model, PostgreSQL and Redis; tokens arrive over the websocket and appear as they
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth import get_user_model
 
-from inference.models import ModelDeployment
-from tenants.models import Membership, UsageRecord
-from tenants.services import api_key_create, membership_create, tenant_create
+from tenants.models import UsageRecord
 from tests.e2e.browser import chromium, daphne_server, engine_worker, log_in, screenshot
+from tests.helpers import PASSWORD
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
-PASSWORD = "e2e-playground-password-9"
 MODEL = "tiny-chat"
 
 # Records every text the assistant bubble shows, so the test can see the reply grow token by token.
@@ -37,21 +34,28 @@ def tiny_model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("playground-model"), arch="llama", size="tiny", seed=0)
 
 
-def test_playground_streams_a_reply_token_by_token(tmp_path, tiny_model_dir):
+@pytest.fixture
+def world_options(tiny_model_dir) -> dict:
+    """The world with the served tiny model; A's member, mia, tries it in the playground."""
+    return {
+        "model": MODEL,
+        "model_dir": tiny_model_dir,
+        "deployment": {
+            "max_model_len": 256,
+            "engine_settings": {"device": "cpu", "num_blocks": 64, "max_num_seqs": 4},
+        },
+        "tenant_a": {"name": "Acme Research", "slug": "acme"},
+        "usernames": ("olivia", "adam", "mia", "otto"),
+        "key_names": ("playground", "b-key"),
+    }
+
+
+def test_playground_streams_a_reply_token_by_token(tmp_path, world):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    ModelDeployment.objects.create(
-        name=MODEL,
-        model_path=str(tiny_model_dir),
-        max_model_len=256,
-        engine_settings={"device": "cpu", "num_blocks": 64, "max_num_seqs": 4},
-    )
-    tenant = tenant_create(name="Acme Research", slug="acme", allowed_models=[MODEL])
-    user = get_user_model().objects.create_user(username="mia", password=PASSWORD)
-    membership_create(tenant=tenant, user=user, role=Membership.Role.MEMBER)
-    key, raw_key = api_key_create(tenant=tenant, name="playground")
+    key, raw_key = world.key_a, world.raw_key_a
 
     with (
         engine_worker(model=MODEL, log_path=tmp_path / "engine.log"),
@@ -59,7 +63,7 @@ def test_playground_streams_a_reply_token_by_token(tmp_path, tiny_model_dir):
         chromium() as driver,
     ):
         wait = WebDriverWait(driver, 60)
-        log_in(driver, base_url, username="mia", password=PASSWORD)
+        log_in(driver, base_url, username=world.member_a.username, password=PASSWORD)
         driver.find_element(By.ID, "nav-playground").click()
         wait.until(ec.presence_of_element_located((By.ID, "pg-input")))
         assert [o.text for o in driver.find_elements(By.CSS_SELECTOR, "#pg-model option")] == [MODEL]

@@ -10,8 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from inference.models import ModelDeployment
-from tenants.services import api_key_create, tenant_create
+from tests.conftest import make_world
 from tests.e2e.stack import ServingStack, serving_stack
 from tests.e2e.test_openai_client import chat_stream_texts
 
@@ -30,18 +29,19 @@ class RealWorld:
 @pytest.fixture(scope="module")
 def real(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[RealWorld]:
     with committed_db():
-        ModelDeployment.objects.create(
-            name=MODEL,
-            model_path=str(smollm2_dir),
-            max_model_len=2048,
-            engine_settings={"device": "cpu", "num_blocks": 256, "max_num_seqs": 8},
+        base = make_world(
+            model=MODEL,
+            model_dir=smollm2_dir,
+            deployment={
+                "max_model_len": 2048,
+                "engine_settings": {"device": "cpu", "num_blocks": 256, "max_num_seqs": 8},
+            },
+            tenant_a={"name": "Real", "slug": "e2e-real"},
         )
-        tenant = tenant_create(name="Real", slug="e2e-real", allowed_models=[MODEL])
-        _, raw_key = api_key_create(tenant=tenant, name="real-key")
     with serving_stack(
         model=MODEL, replica_ids=["solo"], log_dir=tmp_path_factory.mktemp("e2e-real-logs")
     ) as stack:
-        yield RealWorld(stack, stack.client(raw_key, timeout=180.0), smollm2_dir)
+        yield RealWorld(stack, stack.client(base.raw_key_a, timeout=180.0), smollm2_dir)
 
 
 def test_the_capital_of_france_is_paris(real: RealWorld) -> None:

@@ -13,17 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from django.contrib.auth import get_user_model
 
-from inference.models import LoraAdapter, ModelDeployment
-from tenants.models import Membership
-from tenants.services import api_key_create, membership_create, tenant_create
+from inference.models import LoraAdapter
 from tests.e2e.browser import ROOT, chromium, daphne_server, log_in, screenshot, server_env
+from tests.helpers import PASSWORD
 from tests.inference.peft_adapters import CONFIG, WEIGHTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
-
-PASSWORD = "e2e-adapters-password-7"
 
 
 @contextlib.contextmanager
@@ -59,8 +55,9 @@ def celery_worker(*, log_path: Path) -> Iterator[subprocess.Popen]:
                 process.wait(timeout=10)
 
 
+@pytest.mark.world(tenant_a={"name": "Acme Research", "slug": "acme"}, key_names=("prod", "b-key"))
 def test_owner_uploads_an_adapter_that_a_worker_validates(
-    tmp_path, monkeypatch, settings, served_model_dir, adapters_dir
+    tmp_path, monkeypatch, settings, world, adapters_dir
 ):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -70,13 +67,7 @@ def test_owner_uploads_an_adapter_that_a_worker_validates(
     # The server and the worker (other processes) store and read adapters here.
     monkeypatch.setenv("PAGODA_MEDIA_DIR", str(media))
     settings.MEDIA_ROOT = media
-    deployment = ModelDeployment.objects.create(
-        name="tiny-llama", model_path=str(served_model_dir), max_model_len=256
-    )
-    tenant = tenant_create(name="Acme Research", slug="acme", allowed_models=[deployment.name])
-    owner = get_user_model().objects.create_user(username="olivia", password=PASSWORD)
-    membership_create(tenant=tenant, user=owner, role=Membership.Role.OWNER)
-    _, raw_key = api_key_create(tenant=tenant, name="prod")
+    deployment, raw_key = world.deployment, world.raw_key_a
 
     with (
         celery_worker(log_path=tmp_path / "celery.log"),
@@ -84,7 +75,7 @@ def test_owner_uploads_an_adapter_that_a_worker_validates(
         chromium() as driver,
     ):
         wait = WebDriverWait(driver, 90)
-        log_in(driver, base_url, username="olivia", password=PASSWORD)
+        log_in(driver, base_url, username=world.owner_a.username, password=PASSWORD)
 
         for name, source in (("support-tone", "good"), ("too-big-rank", "rank-128")):
             driver.find_element(By.ID, "nav-adapters").click()
@@ -122,6 +113,6 @@ def test_owner_uploads_an_adapter_that_a_worker_validates(
         with urllib.request.urlopen(request, timeout=10) as response:
             models = json.loads(response.read())["data"]
         assert [(m["id"], m.get("parent")) for m in models] == [
-            ("tiny-llama", None),
-            ("support-tone", "tiny-llama"),
+            (deployment.name, None),
+            ("support-tone", deployment.name),
         ]
