@@ -159,3 +159,29 @@ async def test_one_streams_blocking_work_does_not_stall_other_sockets(world, mon
     assert kinds[-1] == "done"
     await first.disconnect()
     await second.disconnect()
+
+
+@pytest.mark.world(tenant_a={"max_concurrent_requests": 1})
+async def test_the_tenants_concurrency_limit_covers_websocket_and_rest_together(world, engine_worker):
+    from tests.helpers import api_post
+
+    communicator = await _authenticated(world)
+    await communicator.send_json_to(_chat("s1", world.model, max_tokens=200, ignore_eos=True))
+    first = await communicator.receive_json_from(timeout=60)
+    assert first["type"] == "delta"  # the stream holds the tenant's one slot
+
+    rest = await api_post(
+        world,
+        "/v1/chat/completions",
+        {"model": world.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    )
+    await communicator.send_json_to(_chat("s2", world.model, max_tokens=2))
+    second = await communicator.receive_json_from(timeout=60)
+    while second["id"] != "s2":
+        second = await communicator.receive_json_from(timeout=60)
+
+    assert rest.status_code == 429 and rest.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "concurrent" in rest.json()["error"]["message"]
+    assert (second["type"], second["error"]["code"]) == ("error", "rate_limit_exceeded")
+    await communicator.send_json_to({"type": "cancel", "id": "s1"})
+    await communicator.disconnect()
