@@ -105,6 +105,8 @@ class EngineWorker:
                 now = time.monotonic()
                 if now >= next_touch:
                     self._touch()
+                    # Answered requests leave the stream once their output stream would have.
+                    self.queue.trim_answered(self.settings.output_ttl_s)
                     next_touch = now + self.settings.touch_interval_s
                 if now >= next_heartbeat:
                     self._heartbeat()

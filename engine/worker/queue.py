@@ -44,6 +44,15 @@ return owned
 _RELEASED_IDLE_MS = 10**12
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _stream_id(value: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _text(value).partition("-")
+    return int(ms), int(seq or 0)
+
+
 class RequestQueue:
     def __init__(
         self,
@@ -155,6 +164,20 @@ class RequestQueue:
         if acks:
             pipe.xack(self.stream, CONSUMER_GROUP, *acks)
         pipe.execute()
+
+    def trim_answered(self, retention_s: float) -> None:
+        """Drop the stream's entries of answered requests older than `retention_s` (their prompts'
+        token ids with them). Never an entry still pending in a replica or not yet delivered: the
+        cut is at the oldest of those, or at the retention horizon if that is older."""
+        cut = (max(0, int((time.time() - retention_s) * 1000)), 0)
+        summary = self.client.xpending(self.stream, CONSUMER_GROUP)
+        if summary.get("pending"):
+            cut = min(cut, _stream_id(summary["min"]))
+        for group in self.client.xinfo_groups(self.stream):
+            if _text(group["name"]) == CONSUMER_GROUP:
+                ms, seq = _stream_id(group["last-delivered-id"])
+                cut = min(cut, (ms, seq + 1))
+        self.client.xtrim(self.stream, minid=f"{cut[0]}-{cut[1]}", approximate=False)
 
     def read_output(self, request_id: str) -> list[Event]:
         return [
