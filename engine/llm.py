@@ -93,14 +93,18 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         # Step outputs carry only each step's logprobs; the final outputs get the whole list.
         logprobs: dict[tuple[str, int], list] = {}
+        prompt_logprobs: dict[str, list] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 for c in out.outputs:
                     if c.logprobs_delta is not None:
                         logprobs.setdefault((out.request_id, c.index), []).extend(c.logprobs_delta)
                 if out.finished:
                     final[out.request_id] = out
         for request_id, out in final.items():
+            out.prompt_logprobs = prompt_logprobs.get(request_id, out.prompt_logprobs)
             for c in out.outputs:
                 if c.logprobs_delta is not None:
                     c.logprobs = logprobs.get((request_id, c.index), [])

@@ -63,6 +63,7 @@ class _Request:
     completions: list[_Completion]
     num_prompt_tokens: int
     error: str | None = None
+    prompt_logprobs_due: bool = False  # asked for and not reported yet
 
     @property
     def finished(self) -> bool:
@@ -169,7 +170,12 @@ class LLMEngine:
             if sampling_params.logprobs is not None:
                 c.cumulative_logprob = 0.0
             self._completions[c.seq.seq_id] = c
-        self._requests[request_id] = _Request(request_id, completions, len(prompt))
+        self._requests[request_id] = _Request(
+            request_id,
+            completions,
+            len(prompt),
+            prompt_logprobs_due=sampling_params.prompt_logprobs is not None,
+        )
         self.num_prompt_tokens += len(prompt)
 
     def _lora_id(self, tenant: str, lora: LoRARef | None, num_seqs: int) -> int:
@@ -201,6 +207,8 @@ class LLMEngine:
                 result = self.runner.run(sched_out)
             except Exception as exc:  # a failed forward ends the requests in it, not the engine
                 return self._outputs(touched) + self._fail(sched_out, exc)
+            for seq_id, entries in result.prompt_logprobs.items():
+                self._completions[seq_id].seq.prompt_logprobs.extend(entries)
             for seq in self.scheduler.update_from_output(sched_out, result.sampled_token_ids):
                 self._append(seq, result.logprobs.get(seq.seq_id))
                 touched[seq.request_id] = None
@@ -246,14 +254,20 @@ class LLMEngine:
         for request_id in request_ids:
             req = self._requests[request_id]
             finished = req.finished
+            first = req.completions[0].seq
+            prompt_logprobs = None
+            if req.prompt_logprobs_due and not first.wants_prompt_logprobs and first.num_output_tokens:
+                prompt_logprobs = [None, *first.prompt_logprobs]
+                req.prompt_logprobs_due = False
             outputs.append(
                 RequestOutput(
                     request_id=request_id,
                     outputs=[c.output() for c in req.completions],
                     finished=finished,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.completions[0].seq.num_cached_tokens,
+                    num_cached_tokens=first.num_cached_tokens,
                     error=req.error,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
             if finished:

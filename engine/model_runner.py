@@ -7,7 +7,7 @@ a scratch block past the pool so they never touch a real sequence's cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,12 +24,19 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (num_sampled,) rows of the hidden states that sample
     sampled: list[ScheduledSequence]
+    # Prompt logprobs: rows whose logits score the next prompt token, that token, and per sequence
+    # (in row order) how many rows are its.
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: list[int] | None = None
+    prompt_spans: list[tuple[ScheduledSequence, int]] | None = None
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     sampled_token_ids: dict[int, int]  # seq_id -> token
     logprobs: dict[int, TokenLogprobs | None]
+    # seq_id -> logprobs of the prompt tokens this step scored (in order), for requests asking
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
@@ -69,6 +76,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self._generators: dict[int, torch.Generator | None] = {}
+        self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         # engine.lora.LoRAManager when adapters are served: it maps each step's tokens to slots.
         self.lora = None
         self.graphs: _DecodeGraphs | None = None
@@ -86,9 +94,22 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[ScheduledSequence] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[ScheduledSequence, int]] = []
         for item in scheduled:
             seq, start = item.seq, item.start_pos
             end = start + item.num_new_tokens
+            if seq.wants_prompt_logprobs:
+                # The logits at position p score prompt token p + 1; those already scored (before a
+                # preemption) are not scored twice.
+                first = max(start, len(seq.prompt_logprobs))
+                last = min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    base = len(input_ids) - start
+                    prompt_rows.extend(base + p for p in range(first, last))
+                    prompt_targets.extend(seq.token_ids[first + 1 : last + 1])
+                    prompt_spans.append((item, last - first))
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -123,13 +144,21 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
             sampled=sampled,
+            prompt_rows=(
+                torch.tensor(prompt_rows, dtype=torch.int64).to(dev, non_blocking=True)
+                if prompt_rows
+                else None
+            ),
+            prompt_targets=prompt_targets or None,
+            prompt_spans=prompt_spans or None,
         )
 
     # -- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits (num_sampled, vocab_size) in float32 for the rows that sample."""
+        """Logits (num_sampled, vocab_size) in float32 for the rows that sample; the prompt rows'
+        logprobs, when asked for, are left in self._prompt_logprobs."""
         md = inputs.metadata
         # The graphs were captured without adapters; a step with adapter tokens runs eagerly.
         lora_active = self.lora is not None and self.lora.active
@@ -142,7 +171,45 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
+        self._prompt_logprobs = self._score_prompt(hidden, inputs) if inputs.prompt_rows is not None else {}
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    # Prompt rows scored per slice: bounds the (rows, vocab) float32 logits held at once.
+    _PROMPT_SLICE = 256
+
+    def _score_prompt(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[int, list[TokenLogprobs]]:
+        assert inputs.prompt_rows is not None and inputs.prompt_targets and inputs.prompt_spans
+        k = max(item.seq.sampling_params.prompt_logprobs or 0 for item, _ in inputs.prompt_spans)
+        targets = torch.tensor(inputs.prompt_targets, dtype=torch.int64, device=hidden.device)
+        entries: list[TokenLogprobs] = []
+        for lo in range(0, len(inputs.prompt_targets), self._PROMPT_SLICE):
+            rows = inputs.prompt_rows[lo : lo + self._PROMPT_SLICE]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            wanted = targets[lo : lo + self._PROMPT_SLICE]
+            chosen = logprobs.gather(1, wanted.unsqueeze(1))
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            if k:
+                top_vals, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+                tops = [
+                    list(zip(i, v, strict=True))
+                    for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)
+                ]
+            else:
+                tops = [[] for _ in range(len(wanted))]
+            for token, lp, rank, top in zip(
+                wanted.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), tops, strict=True
+            ):
+                entries.append(TokenLogprobs(token_id=token, logprob=lp, rank=rank, top_logprobs=top))
+        by_seq: dict[int, list[TokenLogprobs]] = {}
+        offset = 0
+        for item, count in inputs.prompt_spans:
+            wanted_k = item.seq.sampling_params.prompt_logprobs or 0
+            span = entries[offset : offset + count]
+            offset += count
+            by_seq[item.seq.seq_id] = [
+                TokenLogprobs(e.token_id, e.logprob, e.rank, e.top_logprobs[:wanted_k]) for e in span
+            ]
+        return by_seq
 
     def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
         seq = item.seq
@@ -163,8 +230,9 @@ class ModelRunner:
             scheduled = self.lora.begin_step(scheduled)
         inputs = self.prepare(scheduled)
         logits = self.execute(inputs)
+        prompt_logprobs = self._prompt_logprobs
         if not inputs.sampled:
-            return RunnerOutput({}, {})
+            return RunnerOutput({}, {}, prompt_logprobs)
         seqs = [item.seq for item in inputs.sampled]
         out = self.sampler.sample(
             logits,
@@ -175,7 +243,7 @@ class ModelRunner:
         )
         ids = {s.seq_id: t for s, t in zip(seqs, out.token_ids, strict=True)}
         logprobs = {s.seq_id: lp for s, lp in zip(seqs, out.logprobs, strict=True)}
-        return RunnerOutput(ids, logprobs)
+        return RunnerOutput(ids, logprobs, prompt_logprobs)
 
     def free(self, seq_id: int) -> None:
         """Forget per-sequence state (the seeded generator) once a sequence has finished."""

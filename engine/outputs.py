@@ -31,3 +31,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    # The prompt's logprobs (None for its first token), in the first output once they are all
+    # computed, when the request asked for them (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

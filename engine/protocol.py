@@ -130,6 +130,9 @@ class Event:
     message: str | None = None  # on error
     code: str | None = None  # on error: engine_error, request_too_large, engine_unavailable, ...
     replica: str | None = None
+    # On a delta, once, when the request asked for prompt logprobs: one entry per prompt token,
+    # None for the first, else {"token_id", "logprob", "rank", "top": [[token_id, logprob], ...]}.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     v: int = PROTOCOL_VERSION
 
     @classmethod

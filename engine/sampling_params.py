@@ -68,6 +68,9 @@ class SamplingParams:
     min_tokens: int = 0
     # Top logprobs per output token, 0..20; 0 returns only the sampled token's logprob.
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (vLLM's prompt_logprobs), 0..20 top entries each; computed in
+    # the prefill's forward passes, so a request asking for them does not reuse the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -100,6 +103,8 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output

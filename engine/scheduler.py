@@ -262,7 +262,8 @@ class Scheduler:
                 seq = next((s for s in self.waiting if s.lora_id == 0), None)
                 if seq is None:
                     break
-            computed = bm.get_computed_blocks(seq)
+            # Prompt logprobs come out of the prompt's own forward passes: nothing is reused.
+            computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             num_hit = len(computed) * self.block_size
             num_new = self._num_new_tokens(seq.num_tokens - num_hit, budget)
             # Strict order: a big request at the head is never overtaken, so it cannot starve.

@@ -85,6 +85,18 @@ class Sequence:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # Logprobs of prompt tokens 1.. (the first has none), when the request asked for them.
+        self.prompt_logprobs: list = []
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: asked for (by the request's first sequence only: its
+        siblings share the prompt) and not all computed yet."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     def __repr__(self) -> str:
         return (

@@ -75,8 +75,22 @@ def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
         held.num_cached_tokens = output.num_cached_tokens
     if output.num_prompt_tokens:
         held.num_prompt_tokens = output.num_prompt_tokens
-    if deltas:
-        events.append(Event.delta(deltas))
+    prompt_logprobs = getattr(output, "prompt_logprobs", None)
+    if deltas or prompt_logprobs is not None:
+        event = Event.delta(deltas)
+        if prompt_logprobs is not None:
+            event.prompt_logprobs = [
+                None
+                if entry is None
+                else {
+                    "token_id": int(entry.token_id),
+                    "logprob": _finite(entry.logprob),
+                    "rank": int(entry.rank),
+                    "top": [[int(tok), _finite(lp)] for tok, lp in entry.top_logprobs],
+                }
+                for entry in prompt_logprobs
+            ]
+        events.append(event)
     if getattr(output, "error", None):
         events.append(Event.error(str(output.error), "engine_error", held.usage()))
     elif output.finished:

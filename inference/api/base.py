@@ -50,5 +50,5 @@ class GenerationApi(ApiView):
         plan = generation.plan
         if plan.stream:
             return sse_response(generation, events)
-        choices = await collect_choices(events, count=plan.n * len(plan.prompts))
+        choices = await collect_choices(events, count=plan.n * len(plan.prompts), n=plan.n)
         return JsonResponse(self.response_body(plan, choices, generation.usage))

@@ -174,6 +174,8 @@ class SamplingInputSerializer(serializers.Serializer):
     min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     ignore_eos = serializers.BooleanField(required=False, allow_null=True)
     logit_bias = serializers.DictField(required=False, allow_null=True)
+    # vLLM's extra: logprobs of the prompt's tokens, with this many top entries each (0..20).
+    prompt_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20)
     # The caller's identifiers, recorded in the usage ledger (safety_identifier and
     # prompt_cache_key replace `user` in the current SDKs).
     user = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
@@ -216,6 +218,10 @@ class SamplingInputSerializer(serializers.Serializer):
         return value
 
     def validate(self, attrs: dict) -> dict:
+        if attrs.get("prompt_logprobs") is not None and attrs.get("stream"):
+            raise serializers.ValidationError(
+                {"prompt_logprobs": "prompt_logprobs is not supported with stream; ask without streaming."}
+            )
         if attrs.get("stream_options") is not None and not attrs.get("stream"):
             raise serializers.ValidationError(
                 {"stream_options": "stream_options is only allowed when stream is true."}

@@ -62,6 +62,81 @@ def completion_logprobs(
     return body
 
 
+def prompt_logprobs_body(
+    plan: GenerationPlan, entries: list[dict[str, Any] | None] | None
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id (a string):
+    {"logprob", "rank", "decoded_token"}} for the token itself and the top entries."""
+    if plan.prompt_logprobs is None or entries is None:
+        return None
+    body: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            body.append(None)
+            continue
+        ranked = {str(entry["token_id"]): (entry["logprob"], entry.get("rank", 1))}
+        for rank, (token, logprob) in enumerate((entry.get("top") or [])[: plan.prompt_logprobs], start=1):
+            ranked.setdefault(str(token), (logprob, rank))
+        body.append(
+            {
+                token: {
+                    "logprob": float(lp),
+                    "rank": int(rank),
+                    "decoded_token": token_text(plan.model_path, int(token)),
+                }
+                for token, (lp, rank) in ranked.items()
+            }
+        )
+    return body
+
+
+def _echo_logprobs(
+    plan: GenerationPlan, entries: list[dict[str, Any] | None], prompt: list[int]
+) -> dict[str, Any]:
+    """The prompt's part of an echoed choice's legacy logprobs: its first token has none."""
+    body: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, entry in zip(prompt, entries, strict=True):
+        text = token_text(plan.model_path, int(token))
+        body["tokens"].append(text)
+        body["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            body["token_logprobs"].append(None)
+            body["top_logprobs"].append(None)
+            continue
+        body["token_logprobs"].append(float(entry["logprob"]))
+        top = (entry.get("top") or [])[: plan.logprobs]
+        body["top_logprobs"].append({token_text(plan.model_path, int(t)): float(lp) for t, lp in top})
+    return body
+
+
+def _text_choice(plan: GenerationPlan, c: CollectedChoice) -> dict[str, Any]:
+    prompt_index = c.index // plan.n
+    text, logprobs = c.text, completion_logprobs(plan, c.logprobs, offset=0)
+    if plan.echo:
+        prompt_text = plan.prompt_texts[prompt_index]
+        text = prompt_text + c.text
+        if logprobs is not None:
+            echoed = _echo_logprobs(plan, c.prompt_logprobs or [], plan.prompts[prompt_index])
+            end = echoed["text_offset"][-1] + len(echoed["tokens"][-1]) if echoed["tokens"] else 0
+            logprobs = {
+                "tokens": echoed["tokens"] + logprobs["tokens"],
+                "token_logprobs": echoed["token_logprobs"] + logprobs["token_logprobs"],
+                "top_logprobs": echoed["top_logprobs"] + logprobs["top_logprobs"],
+                "text_offset": echoed["text_offset"] + [end + o for o in logprobs["text_offset"]],
+            }
+    choice: dict[str, Any] = {
+        "index": c.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+    }
+    if plan.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_body(plan, c.prompt_logprobs)
+    return choice
+
+
 def chat_completion_body(
     plan: GenerationPlan, choices: list[CollectedChoice], usage: GenerationUsage
 ) -> dict[str, Any]:
@@ -81,6 +156,11 @@ def chat_completion_body(
             for c in choices
         ],
         "usage": usage_body(usage),
+        **(
+            {"prompt_logprobs": prompt_logprobs_body(plan, choices[0].prompt_logprobs if choices else None)}
+            if plan.prompt_logprobs is not None
+            else {}
+        ),
     }
 
 
@@ -93,15 +173,7 @@ def text_completion_body(
         "created": plan.created,
         "model": plan.served_model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": completion_logprobs(plan, c.logprobs, offset=0),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
+        "choices": [_text_choice(plan, c) for c in choices],
         "usage": usage_body(usage),
     }
 

@@ -41,16 +41,15 @@ class CompletionInputSerializer(SamplingInputSerializer):
     echo = serializers.BooleanField(required=False, allow_null=True)
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1)
 
-    def validate_echo(self, value: bool | None) -> bool | None:
-        if value:
-            raise serializers.ValidationError("echo is not supported.")
-        return value
-
     def validate(self, attrs: dict) -> dict:
         attrs = super().validate(attrs)
         best_of = attrs.get("best_of")
         if best_of is not None and best_of != (attrs.get("n") or 1):
             raise serializers.ValidationError({"best_of": "best_of other than n is not supported."})
+        if attrs.get("echo") and attrs.get("stream"):
+            raise serializers.ValidationError(
+                {"echo": "echo is not supported with stream; ask without streaming."}
+            )
         if len(attrs["prompt"]) * (attrs.get("n") or 1) > MAX_SEQUENCES_PER_REQUEST:
             raise serializers.ValidationError(
                 {"n": f"The number of prompts times n may be at most {MAX_SEQUENCES_PER_REQUEST}."}

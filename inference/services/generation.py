@@ -53,6 +53,12 @@ class ChoiceFinished:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    prompt: int  # which prompt of the request (its choices are prompt * n .. prompt * n + n - 1)
+    entries: list[dict[str, Any] | None]  # one per prompt token, None for the first
+
+
+@dataclass(slots=True)
 class GenerationUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -177,7 +183,7 @@ class Generation:
                 )
             )
 
-    async def _events(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished]:
+    async def _events(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished | PromptLogprobs]:
         plan = self.plan
         offsets = {rid: i * plan.n for i, rid in enumerate(plan.engine_request_ids)}
         positions = {rid: "0-0" for rid in plan.engine_request_ids}
@@ -197,6 +203,8 @@ class Generation:
                 if event.type == "error":
                     raise _engine_error(event)
                 if event.type == "delta":
+                    if event.prompt_logprobs is not None:
+                        yield PromptLogprobs(prompt=offsets[rid] // plan.n, entries=event.prompt_logprobs)
                     for out in event.outputs:
                         token_ids = list(out.get("token_ids") or [])
                         self._on_tokens(len(token_ids))
@@ -344,14 +352,19 @@ class CollectedChoice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # its prompt's, when asked for
 
 
 async def collect_choices(
-    events: AsyncIterator[ChoiceDelta | ChoiceFinished | None], *, count: int
+    events: AsyncIterator[ChoiceDelta | ChoiceFinished | PromptLogprobs | None], *, count: int, n: int = 1
 ) -> list[CollectedChoice]:
-    """Drain a generation into its `count` choices (non-streaming responses)."""
+    """Drain a generation into its `count` choices (non-streaming responses); `n` choices per prompt."""
     choices = [CollectedChoice(index=i) for i in range(count)]
     async for item in events:
+        if isinstance(item, PromptLogprobs):
+            for choice in choices[item.prompt * n : (item.prompt + 1) * n]:
+                choice.prompt_logprobs = item.entries
+            continue
         if isinstance(item, ChoiceDelta):
             choice = choices[item.index]
             choice.text += item.text

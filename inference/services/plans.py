@@ -45,6 +45,11 @@ class GenerationPlan:
     stream: bool = False
     include_usage: bool = False
     adapter: str | None = None  # the tenant's LoRA adapter the request named, if any
+    echo: bool = False  # /v1/completions: the prompt is prepended to each choice's text
+    prompt_texts: list[str] = field(default_factory=list)  # each prompt's text, for echo
+    # Top entries per prompt token when the prompt's logprobs were asked for (echo with logprobs,
+    # or vLLM's prompt_logprobs); None: none computed.
+    prompt_logprobs: int | None = None
     end_user: str = ""  # safety_identifier (or the older `user`), for the ledger
     prompt_cache_key: str = ""
     lora: LoRARef | None = None
@@ -117,11 +122,15 @@ def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, p
         )
 
 
-def _sampling(data: dict[str, Any], *, n: int, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+def _sampling(
+    data: dict[str, Any], *, n: int, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> dict[str, Any]:
     params: dict[str, Any] = {name: data[name] for name in _SAMPLING_FIELDS if data.get(name) is not None}
     params.update(n=n, max_tokens=max_tokens, stop=list(data.get("stop") or []))
     if logprobs is not None:
         params["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        params["prompt_logprobs"] = prompt_logprobs
     if params.get("min_tokens", 0) > max_tokens:
         raise InvalidRequestError(
             f"min_tokens ({params['min_tokens']}) must be at most max_tokens ({max_tokens}).",
@@ -159,6 +168,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
     )
     n = data.get("n") or 1
     logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
+    prompt_logprobs = data.get("prompt_logprobs")
     stream, include_usage = _stream_flags(data)
     return GenerationPlan(
         kind="chat",
@@ -167,8 +177,11 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         prompts=[prompt],
         n=n,
         max_tokens=max_tokens,
-        sampling_params=_sampling(data, n=n, max_tokens=max_tokens, logprobs=logprobs),
+        sampling_params=_sampling(
+            data, n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        ),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stream=stream,
         include_usage=include_usage,
         **_caller_ids(data),
@@ -198,6 +211,18 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
         )
     n = data.get("n") or 1
     logprobs = data.get("logprobs")
+    echo = bool(data.get("echo"))
+    # echo with logprobs scores the prompt's tokens too, as OpenAI's legacy API and vLLM do.
+    prompt_logprobs = data.get("prompt_logprobs")
+    if echo and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    prompt_texts = []
+    if echo:
+        tokenizer = tokenization.get_tokenizer(deployment.model_path)
+        prompt_texts = [
+            p if isinstance(p, str) else tokenizer.decode(t)
+            for p, t in zip(data["prompt"], prompts, strict=True)
+        ]
     stream, include_usage = _stream_flags(data)
     return GenerationPlan(
         kind="completion",
@@ -206,8 +231,13 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
         prompts=prompts,
         n=n,
         max_tokens=max_tokens,
-        sampling_params=_sampling(data, n=n, max_tokens=max_tokens, logprobs=logprobs),
+        sampling_params=_sampling(
+            data, n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        ),
         logprobs=logprobs,
+        echo=echo,
+        prompt_texts=prompt_texts,
+        prompt_logprobs=prompt_logprobs,
         stream=stream,
         include_usage=include_usage,
         **_caller_ids(data),

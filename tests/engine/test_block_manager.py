@@ -15,6 +15,7 @@ BS = 4
 class Params:
     max_tokens: int = 8
     n: int = 1
+    prompt_logprobs: int | None = None  # as SamplingParams: none asked for
 
 
 def make_seq(tokens: list[int], **kw) -> Sequence:

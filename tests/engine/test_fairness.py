@@ -21,6 +21,7 @@ from engine.sequence import Sequence, SequenceStatus
 class Params:
     max_tokens: int
     n: int = 1
+    prompt_logprobs: int | None = None  # as SamplingParams: none asked for
 
 
 def _engine(model_dir: Path, max_num_seqs: int) -> LLMEngine:

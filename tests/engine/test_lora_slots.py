@@ -17,6 +17,7 @@ from engine.sequence import Sequence, SequenceStatus
 class Params:
     max_tokens: int = 4
     n: int = 1
+    prompt_logprobs: int | None = None  # as SamplingParams: none asked for
 
 
 def make_scheduler(

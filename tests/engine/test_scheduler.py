@@ -18,6 +18,7 @@ BS = 4
 class Params:
     max_tokens: int = 16
     n: int = 1
+    prompt_logprobs: int | None = None  # as SamplingParams: none asked for
 
 
 def make_scheduler(

@@ -12,6 +12,7 @@ from engine.sequence import InvalidRequestError, RequestTooLargeError, Sequence,
 class Params:
     max_tokens: int = 8
     n: int = 1
+    prompt_logprobs: int | None = None  # as SamplingParams: none asked for
 
 
 def test_new_sequence_is_waiting_with_nothing_computed():

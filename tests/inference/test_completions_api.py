@@ -116,9 +116,3 @@ async def test_bad_prompts_are_400(world, prompt, param):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
     assert await queued_requests(world.model) == []
-
-
-async def test_echo_is_refused(world):
-    response = await api_post(world, URL, {"model": world.model, "prompt": "a", "echo": True})
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "echo"
