@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import make_world
+from tests.e2e.browser import ROOT
 from tests.e2e.stack import ServingStack, serving_stack
 from tests.e2e.test_openai_client import chat_stream_texts
 
@@ -24,6 +25,7 @@ class RealWorld:
     stack: ServingStack
     client: openai.OpenAI
     model_dir: Path
+    raw_key: str
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def real(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[RealWorl
     with serving_stack(
         model=MODEL, replica_ids=["solo"], log_dir=tmp_path_factory.mktemp("e2e-real-logs")
     ) as stack:
-        yield RealWorld(stack, stack.client(base.raw_key_a, timeout=180.0), smollm2_dir)
+        yield RealWorld(stack, stack.client(base.raw_key_a, timeout=180.0), smollm2_dir, base.raw_key_a)
 
 
 def test_the_capital_of_france_is_paris(real: RealWorld) -> None:
@@ -95,3 +97,60 @@ def test_a_control_token_typed_into_a_message_is_read_as_text(real: RealWorld) -
 
     # The server counted (and so queued) the prompt tokenized with the markers as plain text.
     assert reply.usage.prompt_tokens == len(as_text)
+
+
+# --- lm-evaluation-harness --------------------------------------------------------------------------
+
+LM_EVAL_TASKS = ROOT / "tests" / "e2e" / "lm_eval_tasks"
+
+
+def _lm_eval(model: str, model_args: dict) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=["pagoda_mc"],
+        task_manager=TaskManager(include_path=str(LM_EVAL_TASKS)),
+        log_samples=True,
+    )
+
+
+def _loglikelihoods(result: dict) -> dict[int, list[float]]:
+    return {s["doc_id"]: [resp[0][0] for resp in s["resps"]] for s in result["samples"]["pagoda_mc"]}
+
+
+def test_lm_eval_scores_a_multiple_choice_task_through_the_api_as_transformers_does(
+    real: RealWorld, monkeypatch
+) -> None:
+    """lm-eval's local-completions model (echo, logprobs 1, max_tokens 1 against /v1/completions)
+    against its hf backend on the same weights: every choice's loglikelihood within 1e-3, the same
+    accuracy."""
+    monkeypatch.chdir(ROOT)  # the task's data path is relative to the repository
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", real.raw_key)
+
+    served = _lm_eval(
+        "local-completions",
+        {
+            "base_url": real.stack.api_base + "/completions",
+            "model": MODEL,
+            "tokenizer": str(real.model_dir),
+            "tokenizer_backend": "huggingface",
+            "num_concurrent": 1,
+            "max_retries": 1,
+            "timeout": 300,
+        },
+    )
+    local = _lm_eval("hf", {"pretrained": str(real.model_dir), "dtype": "float32", "device": "cpu"})
+
+    ours, theirs = _loglikelihoods(served), _loglikelihoods(local)
+    assert sorted(ours) == sorted(theirs) == list(range(50))
+    worst = max(abs(a - b) for doc in ours for a, b in zip(ours[doc], theirs[doc], strict=True))
+    assert worst <= 1e-3, worst
+    accuracy = served["results"]["pagoda_mc"]["acc,none"]
+    print(f"lm-eval pagoda_mc: accuracy {accuracy}, worst |loglikelihood difference| {worst:.2e}")
+    assert accuracy == local["results"]["pagoda_mc"]["acc,none"]
+    assert accuracy > 0.25  # better than chance: the scores mean something
