@@ -37,6 +37,8 @@ class ChatCompletionInputSerializer(SamplingInputSerializer):
 
 class CompletionInputSerializer(SamplingInputSerializer):
     prompt = PromptField()
+    # 0 only with echo: the prompt (and its logprobs) without a completion.
+    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_LOGPROBS)
     echo = serializers.BooleanField(required=False, allow_null=True)
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1)
@@ -46,6 +48,8 @@ class CompletionInputSerializer(SamplingInputSerializer):
         best_of = attrs.get("best_of")
         if best_of is not None and best_of != (attrs.get("n") or 1):
             raise serializers.ValidationError({"best_of": "best_of other than n is not supported."})
+        if attrs.get("max_tokens") == 0 and not attrs.get("echo"):
+            raise serializers.ValidationError({"max_tokens": "max_tokens may be 0 only with echo."})
         if attrs.get("echo") and attrs.get("stream"):
             raise serializers.ValidationError(
                 {"echo": "echo is not supported with stream; ask without streaming."}

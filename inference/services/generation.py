@@ -205,6 +205,8 @@ class Generation:
                 if event.type == "delta":
                     if event.prompt_logprobs is not None:
                         yield PromptLogprobs(prompt=offsets[rid] // plan.n, entries=event.prompt_logprobs)
+                    if plan.discard_output:
+                        continue
                     for out in event.outputs:
                         token_ids = list(out.get("token_ids") or [])
                         self._on_tokens(len(token_ids))
@@ -220,6 +222,8 @@ class Generation:
                     if reason not in ("stop", "length"):
                         raise PlatformError(f"The engine ended the request ({reason}).", code="engine_error")
                     finished[rid].add(int(out["index"]))
+                    if plan.discard_output:
+                        reason = "length"  # max_tokens 0 was reached before any token
                     yield ChoiceFinished(index=offsets[rid] + int(out["index"]), finish_reason=reason)
                 if event.usage is not None:
                     self._engine_usage[rid] = event.usage
@@ -262,6 +266,8 @@ class Generation:
         engine_completion = sum(u.get("completion_tokens", 0) for u in self._engine_usage.values())
         # Finished: the engine's count. Cancelled or failed: what was produced and delivered.
         self.usage.completion_tokens = engine_completion if self.status == "success" else self._produced
+        if self.plan.discard_output:
+            self.usage.completion_tokens = 0  # sampled only to finish the request: not delivered
         self.usage.cached_tokens = sum(u.get("cached_tokens", 0) for u in self._engine_usage.values())
         latency = time.perf_counter() - self.started_at
         ttft = None if self._first_token_at is None else self._first_token_at - self.started_at

@@ -46,6 +46,7 @@ class GenerationPlan:
     include_usage: bool = False
     adapter: str | None = None  # the tenant's LoRA adapter the request named, if any
     echo: bool = False  # /v1/completions: the prompt is prepended to each choice's text
+    discard_output: bool = False  # max_tokens 0: what the engine samples is neither sent nor billed
     prompt_texts: list[str] = field(default_factory=list)  # each prompt's text, for echo
     # Top entries per prompt token when the prompt's logprobs were asked for (echo with logprobs,
     # or vLLM's prompt_logprobs); None: none computed.
@@ -200,12 +201,17 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
             if any(t < 0 or t >= vocab for t in prompt):
                 raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
             prompts.append(prompt)
-    max_tokens = data.get("max_tokens") or DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = data.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    # max_tokens 0 (with echo: only the prompt is wanted, as lm-eval scores it): the engine runs the
+    # prompt and samples one token that is neither returned nor billed.
+    engine_max_tokens = max(max_tokens, 1)
     for prompt in prompts:
         _check_context(
             deployment=deployment,
             prompt_len=len(prompt),
-            max_tokens=max_tokens,
+            max_tokens=engine_max_tokens,
             what="prompt",
             param="prompt",
         )
@@ -230,12 +236,13 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
         **target.plan_fields(),
         prompts=prompts,
         n=n,
-        max_tokens=max_tokens,
+        max_tokens=engine_max_tokens,
         sampling_params=_sampling(
-            data, n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            data, n=n, max_tokens=engine_max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
         ),
         logprobs=logprobs,
         echo=echo,
+        discard_output=max_tokens == 0,
         prompt_texts=prompt_texts,
         prompt_logprobs=prompt_logprobs,
         stream=stream,

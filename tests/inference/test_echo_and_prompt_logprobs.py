@@ -145,3 +145,30 @@ async def test_unsupported_combinations_are_400_naming_the_field(world, path, ex
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
     assert await queued_requests(world.model) == []
+
+
+async def test_max_tokens_zero_with_echo_scores_the_prompt_and_bills_no_completion(
+    world, engine_worker, reference_llm
+):
+    from tenants.models import UsageRecord
+
+    body = {"model": world.model, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0}
+
+    response = await api_post(world, URL, body)
+
+    assert response.status_code == 200, response.content
+    prompt_ids = await sync_to_async(text_prompt_ids)(world.deployment.model_path, PROMPT)
+    offline = await sync_to_async(_offline_prompt_logprobs)(reference_llm, prompt_ids, 0)
+    [choice] = response.json()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (PROMPT, "length")
+    assert len(choice["logprobs"]["tokens"]) == len(prompt_ids)
+    for got, entry in zip(choice["logprobs"]["token_logprobs"][1:], offline.prompt_logprobs[1:], strict=True):
+        assert got == pytest.approx(entry.logprob, abs=1e-5)
+    assert response.json()["usage"]["completion_tokens"] == 0
+    row = await UsageRecord.objects.aget(request_id=response["x-request-id"])
+    assert (row.prompt_tokens, row.completion_tokens) == (len(prompt_ids), 0)
+
+
+async def test_max_tokens_zero_needs_echo(world):
+    response = await api_post(world, URL, {"model": world.model, "prompt": "x", "max_tokens": 0})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
