@@ -236,6 +236,29 @@ def test_n2_returns_two_different_samples_streamed_as_non_streamed(world):
     assert reasons == {0: "length", 1: "length"}
 
 
+def test_echo_scores_the_prompt_through_the_sdk_as_lm_eval_asks(world):
+    raw = world.a.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    zero = world.a.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    extra = world.a.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+
+    choice = raw.parse().choices[0]
+    assert raw.headers["x-request-id"]
+    assert choice.text.startswith(PROMPT)
+    scored = choice.logprobs.token_logprobs
+    assert scored[0] is None and all(isinstance(lp, float) and lp <= 0 for lp in scored[1:])
+    assert choice.logprobs.top_logprobs[0] is None and len(choice.logprobs.tokens) == len(scored)
+    assert zero.choices[0].text == PROMPT and zero.usage.completion_tokens == 0
+    # The prompt's scores do not depend on whether a completion follows them.
+    alone = zero.choices[0].logprobs.token_logprobs
+    assert alone[0] is None and alone[1:] == pytest.approx(scored[1:-1], abs=1e-5)
+    prompt_logprobs = extra.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(scored) - 1
+
+
 def test_the_current_sdk_fields_are_accepted_and_the_callers_ids_recorded(world):
     reply = world.a.chat.completions.create(
         model=MODEL,
