@@ -203,12 +203,11 @@ class ModelRunner:
         by_seq: dict[int, list[TokenLogprobs]] = {}
         offset = 0
         for item, count in inputs.prompt_spans:
-            wanted_k = item.seq.sampling_params.prompt_logprobs or 0
             span = entries[offset : offset + count]
             offset += count
-            by_seq[item.seq.seq_id] = [
-                TokenLogprobs(e.token_id, e.logprob, e.rank, e.top_logprobs[:wanted_k]) for e in span
-            ]
+            for entry in span:  # the batch's widest top-k, cut to this request's
+                del entry.top_logprobs[item.seq.sampling_params.prompt_logprobs or 0 :]
+            by_seq[item.seq.seq_id] = span
         return by_seq
 
     def _generator(self, item: ScheduledSequence) -> torch.Generator | None:

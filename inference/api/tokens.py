@@ -49,16 +49,14 @@ class TokenizeApi(ApiView):
             prompt=data.get("prompt"),
             messages=data.get("messages"),
             add_special_tokens=data["add_special_tokens"],
+            with_token_strs=data["return_token_strs"],
         )
-        body: dict[str, Any] = {
+        return {
             "count": len(result.tokens),
             "max_model_len": result.max_model_len,
             "tokens": result.tokens,
-            "token_strs": None,
+            "token_strs": result.token_strs,
         }
-        if data["return_token_strs"]:
-            body["token_strs"] = result.token_strs
-        return body
 
 
 class DetokenizeApi(ApiView):

@@ -14,8 +14,8 @@ from tenants.types import AuthContext
 @dataclass(frozen=True, slots=True)
 class Tokenized:
     tokens: list[int]
-    token_strs: list[str]
     max_model_len: int
+    token_strs: list[str] | None = None  # only when asked for
 
 
 def prompt_tokenize(
@@ -25,6 +25,7 @@ def prompt_tokenize(
     prompt: str | None = None,
     messages: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = True,
+    with_token_strs: bool = False,
 ) -> Tokenized:
     """The token ids of a text prompt, or of a conversation rendered by the model's chat template
     ready for the assistant's turn (what /v1/chat/completions would queue)."""
@@ -35,12 +36,10 @@ def prompt_tokenize(
         tokens = tokenization.text_prompt_ids(
             deployment.model_path, prompt or "", add_special_tokens=add_special_tokens
         )
-    tokenizer = tokenization.get_tokenizer(deployment.model_path)
-    return Tokenized(
-        tokens=tokens,
-        token_strs=tokenizer.convert_ids_to_tokens(tokens),
-        max_model_len=deployment.max_model_len,
-    )
+    token_strs = None
+    if with_token_strs:
+        token_strs = tokenization.get_tokenizer(deployment.model_path).convert_ids_to_tokens(tokens)
+    return Tokenized(tokens=tokens, max_model_len=deployment.max_model_len, token_strs=token_strs)
 
 
 def tokens_detokenize(*, auth: AuthContext, model: str, tokens: list[int]) -> str:

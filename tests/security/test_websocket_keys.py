@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -24,6 +25,23 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def _chat(stream_id: str, model: str, **extra) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra}
     return {"type": "chat", "id": stream_id, "request": body}
+
+
+@pytest.fixture
+def held_admission(monkeypatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Admission (the reservation) waits in its thread until `release` is set; `entered` is set
+    once a request has reached it."""
+    entered, release = threading.Event(), threading.Event()
+    reserve = generation_module.admission_reserve
+
+    def held(**kwargs):
+        entered.set()
+        assert release.wait(30)
+        return reserve(**kwargs)
+
+    monkeypatch.setattr(generation_module, "admission_reserve", held)
+    yield entered, release
+    release.set()
 
 
 async def _authenticated(world) -> WebsocketCommunicator:
@@ -89,17 +107,9 @@ async def test_a_stream_started_after_the_key_lost_its_rights_is_refused(world, 
 
 
 async def test_a_cancel_during_admission_is_answered_and_gives_everything_back(
-    world, monkeypatch, engine_worker
+    world, held_admission, engine_worker
 ):
-    entered, release = threading.Event(), threading.Event()
-    reserve = generation_module.admission_reserve
-
-    def slow_reserve(**kwargs):
-        entered.set()
-        assert release.wait(30)
-        return reserve(**kwargs)
-
-    monkeypatch.setattr(generation_module, "admission_reserve", slow_reserve)
+    entered, release = held_admission
     communicator = await _authenticated(world)
 
     await communicator.send_json_to(_chat("s1", world.model))
@@ -132,16 +142,8 @@ async def test_a_cancel_during_admission_is_answered_and_gives_everything_back(
     await communicator.disconnect()
 
 
-async def test_one_streams_blocking_work_does_not_stall_other_sockets(world, monkeypatch, engine_worker):
-    entered, release = threading.Event(), threading.Event()
-    reserve = generation_module.admission_reserve
-
-    def slow_reserve(**kwargs):
-        entered.set()
-        assert release.wait(30)
-        return reserve(**kwargs)
-
-    monkeypatch.setattr(generation_module, "admission_reserve", slow_reserve)
+async def test_one_streams_blocking_work_does_not_stall_other_sockets(world, held_admission, engine_worker):
+    entered, release = held_admission
     first = await _authenticated(world)
     await first.send_json_to(_chat("s1", world.model))
     assert await asyncio.to_thread(entered.wait, 30)
