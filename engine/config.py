@@ -41,8 +41,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Only prompts at least this long are chunked when chunking is off.
     long_prefill_token_threshold: int = 0
+    # Order within a priority tier: "fair" (weighted fair share of service across tenants) or
+    # "fcfs" (arrival order alone).
+    policy: str = "fair"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fair", "fcfs"):
+            raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 1:

@@ -20,7 +20,7 @@ from engine.lora.manager import LoRAManager
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import LoRARef
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stop_checker import FINISH_LENGTH, OutputStream
 
@@ -63,6 +63,7 @@ class _Request:
     completions: list[_Completion]
     num_prompt_tokens: int
     error: str | None = None
+    error_code: str | None = None
     prompt_logprobs_due: bool = False  # asked for and not reported yet
 
     @property
@@ -112,9 +113,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora: LoRARef | None = None,
+        weight: float = 1.0,
+        deadline: float | None = None,
     ) -> None:
         """Queue a request; ``lora`` (name, path, version) names an adapter of ``tenant``, or None
-        for the base model."""
+        for the base model. ``weight`` is the tenant's fair-share weight; ``deadline`` the unix
+        time by which the request must have started, else it is dropped (queue_timeout)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         # The scheduler orders by priority and hashes the salt: a wrongly typed field would only
@@ -123,6 +127,12 @@ class LLMEngine:
             raise InvalidRequestError("tenant and cache_salt must be strings")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < float("inf"):
+            raise InvalidRequestError(f"weight must be a positive number, got {weight!r}")
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline != deadline
+        ):
+            raise InvalidRequestError(f"deadline must be a unix time or None, got {deadline!r}")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
@@ -149,6 +159,8 @@ class LLMEngine:
                     cache_salt=cache_salt,
                     lora_id=lora_id,
                     arrival_time=now,
+                    weight=float(weight),
+                    deadline=None if deadline is None else float(deadline),
                 )
                 for i in range(sampling_params.n)
             ]
@@ -201,6 +213,12 @@ class LLMEngine:
         for seq in sched_out.finished_aborted:
             self._finish_completion(seq, "abort", None)
             touched[seq.request_id] = None
+        for seq in sched_out.finished_expired:
+            req = self._requests[seq.request_id]
+            req.error = "the request waited in the queue past its deadline and was dropped before it started"
+            req.error_code = FINISH_QUEUE_TIMEOUT
+            self._finish_completion(seq, "error", None)
+            touched[seq.request_id] = None
         if sched_out.scheduled:
             self.num_steps += 1
             try:
@@ -243,6 +261,7 @@ class LLMEngine:
         for request_id in failed:
             req = self._requests[request_id]
             req.error = f"{type(exc).__name__}: {exc}"
+            req.error_code = "engine_error"
             for c in req.completions:
                 if c.finish_reason is None:
                     self.scheduler.finish(c.seq, SequenceStatus.FINISHED_ERROR, "error")
@@ -267,6 +286,7 @@ class LLMEngine:
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=first.num_cached_tokens,
                     error=req.error,
+                    error_code=req.error_code,
                     prompt_logprobs=prompt_logprobs,
                 )
             )

@@ -31,6 +31,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    # What ended it when `error` is set: engine_error (a failed forward) or queue_timeout (its
+    # queue deadline passed before it started; nothing was computed).
+    error_code: str | None = None
     # The prompt's logprobs (None for its first token), in the first output once they are all
     # computed, when the request asked for them (SamplingParams.prompt_logprobs).
     prompt_logprobs: list[TokenLogprobs | None] | None = None

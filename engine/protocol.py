@@ -77,6 +77,8 @@ class GenerateRequest:
     cache_salt: str | None = None  # assigned by the server (the tenant), never from the request body
     lora: LoRARef | None = None
     created_at: float = 0.0  # unix time the web tier queued it
+    weight: float = 1.0  # the tenant's fair-share weight
+    deadline: float | None = None  # unix time by which it must have started, else queue_timeout
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> dict[bytes | str, bytes | str]:
@@ -190,6 +192,8 @@ class ReplicaStats:
     loras_loaded: list[str] = field(default_factory=list)
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    # Shutting down: it finishes what runs but takes nothing new (not ready; still live).
+    draining: bool = False
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> str:

@@ -23,6 +23,13 @@ MAX_N = 128  # OpenAI's limit on `n`
 MAX_COMPLETION_PROMPTS = 64
 MAX_SEQUENCES_PER_REQUEST = 128
 
+# --- Service tiers ----------------------------------------------------------------------------------
+
+# OpenAI's `service_tier` as the engine's priority (a lower number is more important): a waiting
+# request of a higher tier preempts running ones of a lower tier, and `flex` runs on spare capacity.
+SERVICE_TIER_PRIORITY = {"priority": 0, "default": 1, "flex": 2}
+SERVICE_TIERS = ("auto", *SERVICE_TIER_PRIORITY)
+
 # --- LoRA adapters (PEFT format) --------------------------------------------------------------------
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -89,6 +96,7 @@ ENGINE_SETTING_FLAGS = {
     "max_held": "--max-held",
     "claim_timeout_ms": "--claim-timeout-ms",
     "heartbeat_interval": "--heartbeat-interval",
+    "drain_grace_s": "--drain-grace-s",
     "max_loras": "--max-loras",
     "max_cpu_loras": "--max-cpu-loras",
     "max_lora_rank": "--max-lora-rank",

@@ -1,22 +1,29 @@
 """Iteration-level scheduling: one token budget per step shared by decodes and prefill chunks.
 
-Running sequences are served first, most important first (lower priority number, then earlier
-arrival); when blocks run out the least important running sequence is preempted by recompute. Then
-waiting sequences are admitted in priority order, round-robin across tenants within a priority.
+Order of service: priority tier first (a lower number is more important), then, within a tier,
+the tenant with the least weighted service (engine.fair_share), then arrival. Running sequences
+get the step's budget in that order; when blocks run out the last in that order is preempted by
+recompute (the lowest tier, its most-served tenant, its latest arrival), and a waiting request of
+a higher tier preempts running ones of a lower tier. Waiting sequences are admitted in the same
+order. A waiting request whose queue deadline passes before any of it was computed is dropped.
+`policy="fcfs"` orders within a tier by arrival alone (the baseline fair share is measured against).
 """
 
 from __future__ import annotations
 
-import bisect
+import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import EngineError, RequestTooLargeError
+from engine.fair_share import ServiceCounters
 from engine.lora.slots import LoRASlots
 from engine.sequence import Sequence, SequenceStatus
+
+FINISH_QUEUE_TIMEOUT = "queue_timeout"
 
 
 @dataclass
@@ -39,11 +46,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted: list[Sequence]
     finished_aborted: list[Sequence]
-
-
-def _rank(seq: Sequence) -> tuple[int, float, int]:
-    """Most important first: the victim of a preemption is the sequence with the largest rank."""
-    return (seq.priority, seq.arrival_time, seq.seq_id)
+    # Dropped unstarted because their queue deadline passed (finish_reason "queue_timeout").
+    finished_expired: list[Sequence] = field(default_factory=list)
 
 
 class _Level:
@@ -52,18 +56,19 @@ class _Level:
     def __init__(self) -> None:
         # Preempted sequences and released siblings: their request was already admitted once.
         self.resumed: deque[Sequence] = deque()
-        # Round-robin order of tenants with new requests; FIFO within a tenant.
+        # Tenants with new requests, in the order they started waiting; FIFO within a tenant.
         self.tenants: OrderedDict[str, deque[Sequence]] = OrderedDict()
 
 
 class WaitingQueue:
     """Waiting sequences in admission order: by priority; within a priority, resumed sequences
-    first, then one request per tenant in turn, so a tenant's backlog never delays another
-    tenant's request by more than one admission round."""
+    first, then the head of the tenant that `choose` picks among those waiting (the least served
+    under fair share, the earliest head under FCFS), FIFO within a tenant."""
 
-    def __init__(self) -> None:
+    def __init__(self, choose: Callable[[OrderedDict[str, deque[Sequence]]], str] | None = None) -> None:
         self._levels: dict[int, _Level] = {}
         self._len = 0
+        self._choose = choose or _earliest_head
 
     def __len__(self) -> int:
         return self._len
@@ -85,7 +90,7 @@ class WaitingQueue:
         if not self._levels:
             return None
         level = self._levels[min(self._levels)]
-        return level.resumed[0] if level.resumed else next(iter(level.tenants.values()))[0]
+        return level.resumed[0] if level.resumed else level.tenants[self._choose(level.tenants)][0]
 
     def pop(self) -> Sequence:
         p = min(self._levels)
@@ -93,10 +98,11 @@ class WaitingQueue:
         if level.resumed:
             seq = level.resumed.popleft()
         else:
-            tenant, q = next(iter(level.tenants.items()))
+            tenant = self._choose(level.tenants)
+            q = level.tenants[tenant]
             seq = q.popleft()
             if q:
-                level.tenants.move_to_end(tenant)  # this tenant had its turn
+                level.tenants.move_to_end(tenant)  # ties go to the others next
             else:
                 del level.tenants[tenant]
         self._drop_if_empty(p)
@@ -123,6 +129,10 @@ class WaitingQueue:
             del self._levels[priority]
 
 
+def _earliest_head(tenants: OrderedDict[str, deque[Sequence]]) -> str:
+    return min(tenants, key=lambda t: (tenants[t][0].arrival_time, tenants[t][0].seq_id))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -138,14 +148,30 @@ class Scheduler:
         self.block_manager = BlockManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.waiting = WaitingQueue()
-        self.running: list[Sequence] = []  # kept sorted by _rank
+        self.fair_share = scheduler_config.policy == "fair"
+        self.service = ServiceCounters()
+        self.waiting = WaitingQueue(self._least_served if self.fair_share else None)
+        self.running: list[Sequence] = []
         # Siblings (index > 0) of a parallel-sampling request, held until index 0's prompt is
         # computed so that they share its cached blocks instead of computing them again.
         self._held: dict[str, list[Sequence]] = {}
         self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences by request id
         self._pending_aborts: dict[str, None] = {}
+        self._num_deadlines = 0  # unfinished requests with a queue deadline
         self.num_preemptions = 0
+        self.num_expired = 0
+
+    # -- ordering -----------------------------------------------------------------------------
+
+    def _least_served(self, tenants: OrderedDict[str, deque[Sequence]]) -> str:
+        service = self.service.service
+        return min(tenants, key=service)  # ties: the tenant waiting longest (dict order)
+
+    def _order_key(self, seq: Sequence) -> tuple:
+        """Most important first; the victim of a preemption is the sequence with the largest key."""
+        if self.fair_share:
+            return (seq.priority, self.service.service(seq.tenant), seq.arrival_time, seq.seq_id)
+        return (seq.priority, seq.arrival_time, seq.seq_id)
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -169,6 +195,9 @@ class Scheduler:
             raise EngineError(f"request {seq.request_id!r} already has a sequence with index {seq.index}")
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
         siblings.append(seq)
+        if seq.deadline is not None and len(siblings) == 1:
+            self._num_deadlines += 1
+        self.service.activate(seq.tenant, seq.weight)
         head = next((s for s in siblings if s.index == 0), None)
         if seq.index > 0 and head is not None and head.num_computed_tokens < head.num_prompt_tokens:
             self._held.setdefault(seq.request_id, []).append(seq)
@@ -197,11 +226,14 @@ class Scheduler:
             if not self._held[seq.request_id]:
                 del self._held[seq.request_id]
         self.block_manager.free(seq)
+        self.service.deactivate(seq.tenant)
         siblings = self._requests[seq.request_id]
         siblings.remove(seq)
         if not siblings:
             del self._requests[seq.request_id]
             self._pending_aborts.pop(seq.request_id, None)
+            if seq.deadline is not None:
+                self._num_deadlines -= 1
         elif seq.index == 0:
             self._release_siblings(seq.request_id)  # nothing left to wait for
 
@@ -220,38 +252,57 @@ class Scheduler:
             return budget
         return 0
 
+    def _grant(self, scheduled: list[ScheduledSequence], seq: Sequence, num_new: int) -> None:
+        item = ScheduledSequence(seq, num_new)
+        scheduled.append(item)
+        # Prompt tokens are service when computed (a cache hit or a recompute of outputs is not);
+        # charged now, so the order of the rest of this step already sees them.
+        end = min(item.start_pos + num_new, seq.num_prompt_tokens)
+        prompt = end - max(item.start_pos, seq.num_prompt_tokens_charged)
+        if prompt > 0:
+            self.service.charge(seq.tenant, prompt_tokens=prompt)
+            seq.num_prompt_tokens_charged = end
+
     def schedule(self) -> SchedulerOutput:
         aborted = self._process_aborts()
+        expired = self._expire_waiting() if self._num_deadlines else []
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        preempted: list[Sequence] = []
+        preempted: list[Sequence] = self._preempt_for_higher_tier()
+        tier_preempted = bool(preempted)
 
         # Running sequences, most important first; the victims come from the tail, which has
         # not been scheduled yet, so nothing already granted this step is taken back.
+        order = sorted(self.running, key=self._order_key)
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(order) and budget > 0:
+            seq = order[i]
             num_new = self._num_new_tokens(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 i += 1
                 continue
             while not bm.can_allocate(seq, num_new):
-                victim = self.running[-1]
+                victim = order.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
                 bm.allocate(seq, num_new)
-                scheduled.append(ScheduledSequence(seq, num_new))
+                self._grant(scheduled, seq, num_new)
                 budget -= num_new
                 i += 1
 
-        # Admitting while preempting would only evict what was just admitted on the next step.
+        # Admitting while preempting for room would only evict what was just admitted on the next
+        # step; a preemption for a higher tier made room for exactly what is admitted now.
         lora_slots = self.lora_slots
         loras_in_use = {s.lora_id for s in self.running if s.lora_id} if lora_slots is not None else set()
-        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            (tier_preempted or len(preempted) == 0)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting.peek()
             if seq is None:
                 break
@@ -280,8 +331,8 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_rank)
-            scheduled.append(ScheduledSequence(seq, num_new))
+            self.running.append(seq)
+            self._grant(scheduled, seq, num_new)
             budget -= num_new
 
         return SchedulerOutput(
@@ -289,7 +340,49 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted=preempted,
             finished_aborted=aborted,
+            finished_expired=expired,
         )
+
+    def _preempt_for_higher_tier(self) -> list[Sequence]:
+        """Make room for the head of the waiting queue by preempting running sequences of a lower
+        tier (the least important first) when it lacks a sequence slot or blocks for its first chunk."""
+        head = self.waiting.peek()
+        if head is None or not self.running:
+            return []
+        lower = [s for s in self.running if s.priority > head.priority]
+        if not lower:
+            return []
+        bm, cfg = self.block_manager, self.config
+        computed = [] if head.wants_prompt_logprobs else bm.get_computed_blocks(head)
+        uncomputed = head.num_tokens - len(computed) * self.block_size
+        budget = max(1, cfg.max_num_batched_tokens - len(self.running))
+        num_new = self._num_new_tokens(uncomputed, budget) or min(uncomputed, cfg.max_num_batched_tokens)
+        lower.sort(key=self._order_key)
+        victims: list[Sequence] = []
+        while lower and (
+            len(self.running) >= cfg.max_num_seqs or not bm.can_allocate(head, num_new, computed)
+        ):
+            victim = lower.pop()
+            self._preempt(victim)
+            victims.append(victim)
+        return victims
+
+    def _expire_waiting(self) -> list[Sequence]:
+        """Drop the requests whose queue deadline passed while none of their sequences had started."""
+        now = time.time()
+        expired: list[Sequence] = []
+        for seqs in list(self._requests.values()):
+            deadline = seqs[0].deadline
+            if deadline is None or deadline > now:
+                continue
+            if any(s.status is not SequenceStatus.WAITING or s.num_prompt_tokens_charged for s in seqs):
+                continue  # started: it runs to its end
+            for seq in list(seqs):
+                self._discard(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, FINISH_QUEUE_TIMEOUT
+                expired.append(seq)
+        self.num_expired += len({s.request_id for s in expired})
+        return expired
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its KV, keep its outputs, requeue it ahead of new work."""
@@ -328,6 +421,7 @@ class Scheduler:
             bm.cache_full_blocks(seq)
             if item.needs_sample:
                 seq.append_token(sampled_token_ids[seq.seq_id])
+                self.service.charge(seq.tenant, output_tokens=1)
                 sampled.append(seq)
             if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._release_siblings(seq.request_id)
@@ -359,4 +453,5 @@ class Scheduler:
             "kv_cache_usage": bm.usage,
             "prefix_cache_hit_rate": bm.prefix_cache_stats()["hit_rate"],
             "num_preemptions": self.num_preemptions,
+            "num_expired": self.num_expired,
         }

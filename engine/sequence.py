@@ -60,6 +60,8 @@ class Sequence:
         cache_salt: str | None = None,
         lora_id: int = 0,
         arrival_time: float | None = None,
+        weight: float = 1.0,
+        deadline: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(f"request {request_id!r}: the prompt must contain at least one token")
@@ -83,6 +85,11 @@ class Sequence:
         self.cache_salt = cache_salt
         self.lora_id = lora_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # The tenant's fair-share weight, and the unix time by which the request must have started
+        # (None: it waits as long as it takes); both the same for every sequence of a request.
+        self.weight = weight
+        self.deadline = deadline
+        self.num_prompt_tokens_charged = 0  # prompt positions already counted as service
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         # Logprobs of prompt tokens 1.. (the first has none), when the request asked for them.

@@ -1,9 +1,11 @@
 """``python -m engine serve`` (also ``python -m engine.serve``): run one engine replica of one model.
 
 Loads the model, then serves its Redis request stream until SIGTERM or SIGINT, which drain: nothing
-new is taken, running requests finish, the heartbeat is removed, and the exit status is 0. A second
-signal stops at once (requests that streamed get an error event; the others are handed back).
-Exit status 1 means the engine failed; a process supervisor is expected to restart it.
+new is taken, the requests taken but not started go back to the model's stream at once (another
+replica takes them), running ones get --drain-grace-s to finish, the heartbeat says `draining` until
+the heartbeat is removed, and the exit status is 0. When the grace period ends, or at a second
+signal, it stops at once: requests that streamed get an error event (engine_shutdown), the others
+are handed back. Exit status 1 means the engine failed; a process supervisor is expected to restart it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     redis_opts.add_argument(
         "--max-held", type=int, default=0, help="requests taken at once; 0: 2 x max-num-seqs"
     )
+    redis_opts.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=30.0,
+        help="seconds a draining replica (first SIGTERM) gives its running requests",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -121,6 +129,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         heartbeat_ttl_s=args.heartbeat_ttl,
         output_ttl_s=args.output_ttl,
         max_held=args.max_held or 2 * args.max_num_seqs,
+        drain_grace_s=args.drain_grace_s,
     )
 
 

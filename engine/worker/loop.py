@@ -4,6 +4,11 @@ Per iteration: (re)claim requests, take new ones (a bounded blocking read only w
 idle), apply cancels, one engine step, then one pipeline with every event of the step and the acks
 of the requests that ended. Delivery is at-least-once; what keeps a reader from seeing an answer
 twice is that a reclaimed request which had already streamed is failed, never run again.
+
+Draining (the first stop request): nothing new is taken; requests held here that have not started
+(nothing streamed, no sequence running in the engine) go back to the stream at once for another
+replica; the running ones get `drain_grace_s` to finish, after which the replica stops as at a
+second stop request: requests that streamed get an error, the rest are handed back.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ class EngineWorker:
     # --- control --------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """First call: drain (take nothing new, finish what runs). Second call: stop now."""
+        """First call: drain (take nothing new, hand back what has not started, finish what runs
+        within the grace period). Second call: stop now."""
         if self._stopping:
             self._force_stop = True
         self._stopping = True
@@ -72,14 +78,26 @@ class EngineWorker:
         next_touch = now + self.settings.touch_interval_s
         next_reclaim = now
         next_heartbeat = now + self.settings.heartbeat_interval_s
+        drain_deadline: float | None = None
         try:
             while True:
                 self._progress_at = time.monotonic()
                 if self._force_stop:
-                    self._fail_all("engine_shutdown", "the engine replica was stopped")
+                    self._fail_all("engine_shutdown", "the engine replica was stopped", hand_back=True)
                     return EXIT_OK
-                if self._stopping and not self._held:
-                    return EXIT_OK
+                if self._stopping:
+                    if drain_deadline is None:
+                        drain_deadline = self._begin_drain()
+                    self._hand_back_unstarted()
+                    if not self._held:
+                        return EXIT_OK
+                    if time.monotonic() >= drain_deadline:
+                        logger.warning(
+                            "drain grace period over with %d requests running; stopping", len(self._held)
+                        )
+                        message = "the engine replica shut down before this request finished"
+                        self._fail_all("engine_shutdown", message, hand_back=True)
+                        return EXIT_OK
                 now = time.monotonic()
                 if not self._stopping and now >= next_reclaim:
                     self._reclaim()
@@ -94,7 +112,8 @@ class EngineWorker:
                         outputs = self.engine.step()
                     except Exception:
                         logger.exception("engine step failed; failing the requests in flight")
-                        self._fail_all("engine_error", "the engine failed while running this request")
+                        message = "the engine failed while running this request"
+                        self._fail_all("engine_error", message, hand_back=False)
                         return EXIT_ENGINE_FAILED
                     self._collect(outputs)
                 elif self._stopping:
@@ -202,6 +221,8 @@ class EngineWorker:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 lora=request.lora,  # the engine keys it by (tenant, name, version)
+                weight=request.weight,
+                deadline=request.deadline,
             )
         except LoRADisabledError:
             return Event.error("this engine replica does not serve LoRA adapters", "lora_unavailable")
@@ -260,21 +281,60 @@ class EngineWorker:
                 event.replica = self.settings.replica_id
         self.queue.publish(events, acks)
 
-    def _fail_all(self, code: str, message: str) -> None:
-        """Give up on every held request: a reader that saw output gets an error, the rest are handed back."""
-        release: list[bytes] = []
+    def _fail_all(self, code: str, message: str, *, hand_back: bool) -> None:
+        """Give up on every held request: a reader that saw output gets an error, the rest go back.
+
+        A stopping replica (`hand_back`) re-adds them to the stream, where any replica's next read
+        takes them. After an engine failure they are released instead, to the next reclaim, which
+        counts their deliveries: one of them may be what broke the engine, and max_deliveries ends a
+        request that breaks every replica taking it.
+        """
+        unstarted: list[bytes] = []
         for held in list(self._held.values()):
             if held.has_streamed:
                 self._end(held, Event.error(message, code, held.usage()))
             else:
-                release.append(held.message_id)
+                unstarted.append(held.message_id)
             try:
                 self.engine.abort_request(held.request_id)
             except Exception:  # the engine is already broken; the process is about to exit
                 pass
         self._held.clear()
         self._flush()
-        self.queue.release(release)
+        if hand_back:
+            self.queue.hand_back(unstarted)
+        else:
+            self.queue.release(unstarted)
+
+    # --- draining -------------------------------------------------------------------------------
+
+    def _begin_drain(self) -> float:
+        """Say so in the heartbeat at once (the web tier stops counting this replica as ready);
+        returns the monotonic time at which the grace period ends."""
+        logger.info(
+            "draining: %d requests held, %.0f s for the running ones",
+            len(self._held),
+            self.settings.drain_grace_s,
+        )
+        self._heartbeat()
+        return time.monotonic() + self.settings.drain_grace_s
+
+    def _hand_back_unstarted(self) -> None:
+        """Requests held here that have not started go back to the stream at once, and are aborted
+        here. Checked on every iteration of a drain: a sequence preempted before its first token is
+        unstarted again. The engine's view is read, never changed: its scheduler's running list."""
+        running = {seq.request_id for seq in self.engine.scheduler.running}
+        unstarted = [h for h in self._held.values() if not h.has_streamed and h.request_id not in running]
+        if not unstarted:
+            return
+        for held in unstarted:
+            del self._held[held.request_id]
+            # Before the hand-back: it takes effect at this replica's next step, before anything is
+            # scheduled, so the request never runs here once another replica can have it.
+            self.engine.abort_request(held.request_id)
+        handed = self.queue.hand_back([held.message_id for held in unstarted])
+        # An entry not handed back was reclaimed from this replica meanwhile: its new holder answers it.
+        logger.info("handed back %d unstarted requests", len(handed))
 
     # --- liveness -------------------------------------------------------------------------------
 
@@ -302,6 +362,7 @@ class EngineWorker:
             loras_loaded=[str(x) for x in raw.get("loras_loaded", ())],
             started_at=self._started_at,
             heartbeat_at=time.time(),
+            draining=self._stopping,
         )
 
     def _heartbeat(self) -> None:

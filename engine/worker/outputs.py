@@ -92,7 +92,10 @@ def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
             ]
         events.append(event)
     if getattr(output, "error", None):
-        events.append(Event.error(str(output.error), "engine_error", held.usage()))
+        code = getattr(output, "error_code", None) or "engine_error"
+        # Dropped before it started: nothing was computed, so nothing is billed.
+        usage = Usage(prompt_tokens=0, completion_tokens=0) if code == "queue_timeout" else held.usage()
+        events.append(Event.error(str(output.error), code, usage))
     elif output.finished:
         outputs = [
             held.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason="stop") for i in range(held.n)

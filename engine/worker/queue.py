@@ -43,6 +43,28 @@ return owned
 # takes them at once instead of after the claim timeout.
 _RELEASED_IDLE_MS = 10**12
 
+# Hand entries this consumer owns back to the stream as new entries, which the next XREADGROUP '>'
+# of any replica takes at once (a released pending entry waits for someone's XAUTOCLAIM, every few
+# seconds). In one script: the copy is added exactly when the original is acked, and only for an
+# entry still ours (one another replica reclaimed from us is its to answer). The original is
+# deleted too: acked, it would keep a second copy of the prompt until trimmed.
+_HAND_BACK_SCRIPT = """
+local handed = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+    if entry[1] then
+      redis.call('XADD', KEYS[1], '*', unpack(entry[1][2]))
+    end
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    handed[#handed + 1] = ARGV[i]
+  end
+end
+return handed
+"""
+
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
@@ -73,6 +95,7 @@ class RequestQueue:
         self.output_ttl_s = output_ttl_s
         self.heartbeat_ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
         self._touch = client.register_script(_TOUCH_SCRIPT)
+        self._hand_back = client.register_script(_HAND_BACK_SCRIPT)
         self._autoclaim_cursor: bytes | str = "0-0"
         self._cancel_cursor: bytes | str = "0-0"
 
@@ -125,8 +148,17 @@ class RequestQueue:
         owned = self._touch(keys=[self.stream], args=[CONSUMER_GROUP, self.replica_id, *message_ids])
         return {_b(mid) for mid in owned}
 
+    def hand_back(self, message_ids: list[bytes]) -> set[bytes]:
+        """Give unstarted entries back to the stream at once, as new entries any replica reads next
+        (their delivery counts start again); returns those handed back (the ones still ours)."""
+        if not message_ids:
+            return set()
+        handed = self._hand_back(keys=[self.stream], args=[CONSUMER_GROUP, self.replica_id, *message_ids])
+        return {_b(mid) for mid in handed}
+
     def release(self, message_ids: list[bytes]) -> None:
-        """Hand entries back unanswered, claimable by any replica at once."""
+        """Hand entries back unanswered, claimable at once by any replica's next XAUTOCLAIM, which
+        counts the delivery (the guard against a request that kills every replica taking it)."""
         if message_ids:
             self.client.xclaim(
                 self.stream,

@@ -37,6 +37,9 @@ class WorkerSettings:
     max_held: int = 0
     # How far back the cancel stream is read at start, to see cancels of requests taken later.
     cancel_lookback_s: float = 60.0
+    # A draining replica (first SIGTERM) gives this long to the sequences it runs; then those that
+    # streamed get an error and the rest are handed back.
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -51,6 +54,8 @@ class WorkerSettings:
             raise ConfigError("output_ttl_s must be >= 1")
         if self.idle_block_ms < 1 or self.max_deliveries < 1 or self.max_held < 0:
             raise ConfigError("idle_block_ms and max_deliveries must be >= 1, max_held >= 0")
+        if self.drain_grace_s < 0:
+            raise ConfigError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
     @property
     def touch_interval_s(self) -> float:

@@ -286,6 +286,7 @@ def test_finish_frees_the_blocks_and_stats_report_the_pool():
         "kv_cache_usage": 0.25,
         "prefix_cache_hit_rate": 0.0,
         "num_preemptions": 0,
+        "num_expired": 0,
     }
 
     sched.finish(seq, SequenceStatus.FINISHED_STOPPED, "stop")

@@ -467,6 +467,123 @@ def test_sigterm_drains_the_running_request_takes_nothing_new_and_exits_zero(wor
     assert c.xinfo_consumers(requests_stream(prefix, MODEL), CONSUMER_GROUP) == []
 
 
+def test_sigterm_hands_back_unstarted_requests_at_once_and_finishes_the_running_one(workers):
+    c, prefix = workers.client, workers.prefix
+    stream = requests_stream(prefix, MODEL)
+    # One sequence runs, two wait behind it; a claim timeout far beyond the test, so nothing but
+    # the hand-back can move a request to another consumer.
+    proc = workers.start("leaving", "--max-num-seqs", "1", "--max-held", "3", "--claim-timeout-ms", "600000")
+    workers.wait_ready("leaving")
+    submit(c, prefix, "running", max_tokens=480, ignore_eos=True)
+    wait_events(c, prefix, "running", until=has_delta)
+    for request_id in ("waiting-1", "waiting-2"):
+        submit(c, prefix, request_id, max_tokens=5, ignore_eos=True)
+    wait_for(lambda: pending(c, prefix) == 3, 10, "the replica to hold all three requests")
+
+    proc.send_signal(signal.SIGTERM)
+    taken: list[tuple[bytes, dict]] = []
+
+    def another_replica_reads_both() -> bool:
+        # What another replica's next XREADGROUP '>' gets, without waiting for any reclaim.
+        reply = c.xreadgroup(CONSUMER_GROUP, "staying", {stream: ">"}, count=10)
+        taken.extend((mid, fields) for _, entries in reply or [] for mid, fields in entries)
+        return len(taken) >= 2
+
+    wait_for(another_replica_reads_both, 30, "the unstarted requests to be handed back")
+    draining = stats_of(c, prefix, "leaving")
+    returncode = proc.wait(timeout=60)
+
+    assert sorted(GenerateRequest.decode(fields).request_id for _, fields in taken) == [
+        "waiting-1",
+        "waiting-2",
+    ]
+    # The heartbeat said so while the running request finished.
+    assert draining is not None and draining.draining is True
+    assert returncode == 0, workers.log("leaving")
+    running = events_of(c, prefix, "running")
+    assert (running[-1].type, running[-1].replica, num_streamed_tokens(running)) == (
+        "finished",
+        "leaving",
+        480,
+    )
+    # Never run on the leaving replica: not a token written for them.
+    assert events_of(c, prefix, "waiting-1") == events_of(c, prefix, "waiting-2") == []
+    # What stays pending is the new consumer's only; the leaving one held nothing when it left.
+    rows = c.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
+    assert sorted(row["message_id"] for row in rows) == sorted(mid for mid, _ in taken)
+    assert {row["consumer"] for row in rows} == {b"staying"}
+    assert c.zscore(replicas_key(prefix, MODEL), "leaving") is None
+
+
+def test_a_drain_past_its_grace_period_fails_the_streaming_request_with_its_usage_and_exits_zero(workers):
+    c, prefix = workers.client, workers.prefix
+    # A grace period of zero: the drain ends at the first look, whatever runs.
+    proc = workers.start("hasty", "--max-num-seqs", "1", "--max-held", "2", "--drain-grace-s", "0")
+    workers.wait_ready("hasty")
+    submit(c, prefix, "cut-short", max_tokens=480, ignore_eos=True)
+    wait_events(c, prefix, "cut-short", until=has_delta)
+    submit(c, prefix, "queued-behind", max_tokens=5, ignore_eos=True)
+    wait_for(lambda: pending(c, prefix) == 2, 10, "the replica to hold both requests")
+
+    proc.send_signal(signal.SIGTERM)
+    returncode = proc.wait(timeout=60)
+
+    assert returncode == 0, workers.log("hasty")
+    cut = events_of(c, prefix, "cut-short")
+    assert (cut[-1].type, cut[-1].code, cut[-1].replica) == ("error", "engine_shutdown", "hasty")
+    assert cut[-1].usage == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": num_streamed_tokens(cut[:-1]),
+        "cached_tokens": 0,
+    }
+    assert num_streamed_tokens(cut[:-1]) < 480
+    # The request that had not started is back in the stream, undelivered: the next replica's read takes it.
+    assert events_of(c, prefix, "queued-behind") == []
+    assert pending(c, prefix) == 0
+    reply = c.xreadgroup(CONSUMER_GROUP, "next", {requests_stream(prefix, MODEL): ">"}, count=10)
+    assert [GenerateRequest.decode(fields).request_id for _, entries in reply for _, fields in entries] == [
+        "queued-behind"
+    ]
+
+
+def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer_pending(client):
+    from engine.worker import RequestQueue
+
+    prefix = new_prefix()
+    stream = requests_stream(prefix, MODEL)
+
+    def queue(replica_id: str) -> RequestQueue:
+        return RequestQueue(
+            client, prefix=prefix, model=MODEL, replica_id=replica_id, output_ttl_s=60, heartbeat_ttl_s=2.0
+        )
+
+    leaving, staying = queue("leaving"), queue("staying")
+    try:
+        leaving.ensure_group()
+        for request_id in ("handed-back", "kept", "reclaimed"):
+            submit(client, prefix, request_id)
+        (first, fields), (second, _), (third, _) = leaving.read_new(10, None)
+        client.xclaim(stream, CONSUMER_GROUP, "thief", 0, [third], justid=True)  # as after a stall
+
+        handed = leaving.hand_back([first, third])
+
+        # Only what the replica still owned went back; the reclaimed entry stays with its new holder.
+        assert handed == {first}
+        [(new_id, new_fields)] = staying.read_new(10, None)
+        assert new_fields == fields and new_id > third
+        rows = client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
+        assert [(row["message_id"], row["consumer"]) for row in rows] == [
+            (second, b"leaving"),
+            (third, b"thief"),
+            (new_id, b"staying"),
+        ]
+        # The original is gone from the stream, not left as a second copy of the prompt.
+        assert client.xrange(stream, first, first) == []
+        assert leaving.hand_back([]) == set()
+    finally:
+        drop_keys(client, prefix)
+
+
 # --- a worker driven in-process, for what needs a hand on the engine ------------------------------
 
 
