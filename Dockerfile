@@ -28,4 +28,5 @@ RUN SECRET_KEY=build-only-secret-key-not-used-at-runtime API_KEY_PEPPER=build-on
     python manage.py collectstatic --noinput
 
 EXPOSE 8000
-CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "config.asgi:application"]
+# config.web_server: daphne, drained on SIGTERM (open streams finish; see README, Scaling out).
+CMD ["python", "-m", "config.web_server", "-b", "0.0.0.0", "-p", "8000", "config.asgi:application"]

@@ -264,6 +264,8 @@ TENANT_DEFAULT_LIMITS = {
     "tokens_per_minute": envint("PAGODA_TENANT_DEFAULT_TPM", 1_000_000, minimum=1),
     "max_concurrent_requests": envint("PAGODA_TENANT_DEFAULT_CONCURRENCY", 32, minimum=1),
     "monthly_token_quota": envint("PAGODA_TENANT_DEFAULT_MONTHLY_TOKENS", 100_000_000, minimum=1),
+    "max_queued_requests": envint("PAGODA_TENANT_DEFAULT_MAX_QUEUED", 64, minimum=1),
+    "queue_timeout_seconds": envint("PAGODA_TENANT_DEFAULT_QUEUE_TIMEOUT", 600, minimum=1),
 }
 
 LOGGING = {

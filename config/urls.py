@@ -8,7 +8,8 @@ from inference import health
 from inference.api.tokens import DetokenizeApi, TokenizeApi
 
 urlpatterns = [
-    path("health", health.health),
+    path("live", health.live),
+    path("health", health.live),  # the older name of /live
     path("ready", health.ready),
     path("metrics", health.metrics),
     # vLLM serves these beside /v1, not under it.

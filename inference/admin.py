@@ -86,7 +86,7 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
             (
                 # format_html escapes its arguments to strings first, so numbers are formatted here.
                 (
-                    s.replica_id,
+                    f"{s.replica_id} (draining)" if s.draining else s.replica_id,
                     s.num_running,
                     s.num_waiting,
                     f"{s.kv_cache_usage:.1%}",

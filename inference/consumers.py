@@ -217,6 +217,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 "usage": usage_body(generation.usage),
                 "finish_reason": reasons.get(0),
                 "choices": [{"index": i, "finish_reason": r} for i, r in sorted(reasons.items())],
+                "service_tier": plan.service_tier,
             }
         )
 

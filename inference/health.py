@@ -1,6 +1,10 @@
 """Liveness, readiness and Prometheus metrics endpoints.
 
-/health and /ready answer anyone (load balancers and orchestrators probe them); anonymously /ready
+/live (and its older name /health): the process is up. /ready: it can serve new requests: not
+draining (core.draining), the database and Redis answer, and every enabled model has a ready
+engine replica (live and not draining). A draining process is live and not ready.
+
+/live and /ready answer anyone (load balancers and orchestrators probe them); anonymously /ready
 says only whether this process can serve. The details (which check failed and why, every model
 and its replicas) and /metrics (tenant and model names) are for operators: a staff session, or
 `Authorization: Bearer <PAGODA_METRICS_TOKEN>`.
@@ -16,11 +20,12 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from core.draining import is_draining
 from core.redis_client import get_redis
 
 
 @require_GET
-def health(request):
+def live(request):
     return JsonResponse({"status": "ok"})
 
 
@@ -43,7 +48,8 @@ def _check_redis() -> str | None:
 
 
 def _models() -> dict[str, dict]:
-    """Each enabled model with its live replicas; a model with none is not ready."""
+    """Each enabled model with its live replicas; a model none of which is ready (live and not
+    draining) is not ready."""
     from dataclasses import asdict
 
     from inference.selectors import deployment_list_enabled, deployment_replicas
@@ -51,8 +57,20 @@ def _models() -> dict[str, dict]:
     models = {}
     for deployment in deployment_list_enabled():
         replicas = [asdict(stats) for stats in deployment_replicas(name=deployment.name)]
-        models[deployment.name] = {"ready": bool(replicas), "replicas": replicas}
+        ready = any(not replica["draining"] for replica in replicas)
+        models[deployment.name] = {"ready": ready, "replicas": replicas}
     return models
+
+
+def _check_engines(models: dict[str, dict]) -> str | None:
+    problems = []
+    missing = sorted(name for name, model in models.items() if not model["replicas"])
+    if missing:
+        problems.append(f"no live engine replica for: {', '.join(missing)}")
+    draining = sorted(name for name, model in models.items() if model["replicas"] and not model["ready"])
+    if draining:
+        problems.append(f"only draining engine replicas for: {', '.join(draining)}")
+    return "; ".join(problems) or None
 
 
 def operator_may_read(request: HttpRequest) -> bool:
@@ -85,16 +103,21 @@ def _operators_only() -> JsonResponse:
 
 @require_GET
 def ready(request):
-    checks = {"database": _check_database(), "redis": _check_redis()}
+    checks = {
+        "web": "draining: this process is shutting down and takes no new connections"
+        if is_draining()
+        else None,
+        "database": _check_database(),
+        "redis": _check_redis(),
+    }
     models: dict[str, dict] = {}
-    if not any(checks.values()):
+    if not checks["database"] and not checks["redis"]:
         try:
             models = _models()
         except Exception as exc:
             checks["models"] = f"models: {exc.__class__.__name__}: {exc}"
         else:
-            missing = sorted(name for name, model in models.items() if not model["ready"])
-            checks["engines"] = f"no live engine replica for: {', '.join(missing)}" if missing else None
+            checks["engines"] = _check_engines(models)
     failures = {name: error for name, error in checks.items() if error}
     body: dict = {"status": "ready" if not failures else "not_ready"}
     if operator_may_read(request):

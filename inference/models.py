@@ -42,6 +42,13 @@ class ModelDeployment(models.Model):
         default=dict, blank=True, help_text="Extra engine options (block size, memory budget, ...)."
     )
     enabled = models.BooleanField(default=True)
+    max_queued_requests = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        default=256,
+        help_text="Requests waiting to start on this model, all tenants together; beyond it a 429 "
+        "with Retry-After. Empty: unlimited.",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up and run the whole platform on this machine: venv, migrations, a demo model, tenant, user
-# and key (printed), then web (daphne), one engine worker, celery worker and beat. Ctrl-C stops all.
+# and key (printed), then web (daphne, through config.web_server), one engine worker, celery worker
+# and beat. Ctrl-C stops all.
 #
 # Zero-config: SQLite (var/db.sqlite3) when DATABASE_URL is unset, an embedded redis-server when
 # REDIS_URL is unset. Secrets are generated once into var/ unless SECRET_KEY / API_KEY_PEPPER are set.
@@ -64,8 +65,9 @@ cleanup() {
   trap '' INT TERM
   trap - EXIT
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  # The engine drains its running requests first; anything still up after that is killed.
-  for _ in $(seq 1 60); do
+  # The engine and web drain their running requests first (30 s at most each, at the same time);
+  # anything still up after that is killed.
+  for _ in $(seq 1 70); do
     alive=false
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=true; done
     [ "$alive" = false ] && break
@@ -77,7 +79,7 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 
-$PY -m daphne -b 127.0.0.1 -p "$PORT" config.asgi:application & pids+=($!)
+$PY -m config.web_server -b 127.0.0.1 -p "$PORT" config.asgi:application & pids+=($!)
 # Half the cores for the engine's CPU threads, the rest for daphne and celery: OpenMP threads beyond
 # the free cores wait on each other at every barrier and make each step many times slower.
 cores=$(nproc 2>/dev/null || echo 2)

@@ -6,8 +6,22 @@ Models stay thin: fields, constraints and one-row properties. Behaviour lives in
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
+
+
+def default_service_tiers() -> list[str]:
+    return ["default", "flex"]
+
+
+def validate_service_tiers(value: object) -> None:
+    from django.core.exceptions import ValidationError
+
+    from engine.rules import SERVICE_TIER_PRIORITY
+
+    if not isinstance(value, list) or any(t not in SERVICE_TIER_PRIORITY for t in value):
+        raise ValidationError(f"A list of service tiers, each one of {', '.join(SERVICE_TIER_PRIORITY)}.")
 
 
 class Tenant(models.Model):
@@ -33,6 +47,31 @@ class TenantLimits(models.Model):
     monthly_token_quota = models.PositiveBigIntegerField(null=True, blank=True)
     allowed_models = models.JSONField(
         default=list, blank=True, help_text="Served model names this tenant may call. Empty: none."
+    )
+    fair_share_weight = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        help_text="This tenant's share of an engine when tenants contend for it: weight 2 is served "
+        "twice as much as weight 1.",
+    )
+    service_tiers = models.JSONField(
+        default=default_service_tiers,
+        blank=True,
+        validators=[validate_service_tiers],
+        help_text='Service tiers this tenant may ask for: any of "default", "flex", "priority". '
+        '"auto" (or no tier) means default.',
+    )
+    max_queued_requests = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Requests of this tenant waiting to start on one model; beyond it a 429. Empty: unlimited.",
+    )
+    queue_timeout_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="A request that has not started after this long is dropped with an error, billed "
+        "nothing. Empty: only the client's own timeout applies.",
     )
 
     class Meta:
@@ -125,6 +164,8 @@ class UsageRecord(models.Model):
     # older `user`; prompt_cache_key): opaque ids for the tenant's reports, never text.
     end_user = models.CharField(max_length=64, blank=True, default="")
     prompt_cache_key = models.CharField(max_length=64, blank=True, default="")
+    # The service tier the request ran on (default, flex, priority).
+    service_tier = models.CharField(max_length=16, blank=True, default="default")
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
 
     class Meta:

@@ -12,6 +12,10 @@ class TenantLimitValues:
     tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
     monthly_token_quota: int | None = None
+    fair_share_weight: int = 1
+    service_tiers: tuple[str, ...] = ("default", "flex")
+    max_queued_requests: int | None = None
+    queue_timeout_seconds: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,12 +26,18 @@ def test_compose_has_every_process_of_the_platform():
 
 def test_compose_services_run_the_right_commands():
     services = _compose()["services"]
-    assert _command(services["web"])[:1] == ["daphne"]
+    assert _command(services["web"])[:3] == ["python", "-m", "config.web_server"]
     assert "config.asgi:application" in _command(services["web"])
     assert "run_engine" in " ".join(_command(services["engine"]))
     assert _command(services["celery-worker"])[:4] == ["celery", "-A", "config", "worker"]
     assert _command(services["celery-beat"])[:4] == ["celery", "-A", "config", "beat"]
     assert _command(services["migrate"])[-3:] == ["manage.py", "migrate", "--noinput"]
+
+
+def test_compose_gives_draining_processes_more_than_their_grace_period_before_sigkill():
+    services = _compose()["services"]
+    for name in ("web", "engine"):
+        assert int(services[name]["stop_grace_period"].removesuffix("s")) > 30, name
 
 
 def test_compose_stateful_services_have_health_checks_and_volumes():

@@ -203,13 +203,40 @@ def _stop_embedded_redis(var_dir: Path) -> None:
 def test_health_and_ready_answer_when_database_and_redis_are_up(operator_headers):
     from django.test import Client
 
+    assert Client().get("/live").json() == {"status": "ok"}
     assert Client().get("/health").json() == {"status": "ok"}
     ready = Client(headers=operator_headers).get("/ready")
     assert ready.status_code == 200
     assert ready.json() == {
         "status": "ready",
-        "checks": {"database": "ok", "redis": "ok", "engines": "ok"},
+        "checks": {"web": "ok", "database": "ok", "redis": "ok", "engines": "ok"},
         "models": {},
+    }
+
+
+@pytest.mark.django_db
+def test_a_draining_web_process_is_live_and_not_ready(monkeypatch, operator_headers):
+    from django.test import Client
+
+    from core import draining
+
+    monkeypatch.setattr(draining, "_draining", False)  # put back after the test
+    draining.mark_draining()
+
+    live = Client().get("/live")
+    anonymous = Client().get("/ready")
+    ready = Client(headers=operator_headers).get("/ready")
+
+    assert (live.status_code, live.json()) == (200, {"status": "ok"})
+    assert (anonymous.status_code, anonymous.json()) == (503, {"status": "not_ready"})
+    assert ready.status_code == 503
+    assert ready.json()["status"] == "not_ready"
+    assert ready.json()["checks"]["web"].startswith("draining")
+    # Everything else it depends on is fine: draining alone makes it not ready.
+    assert {name: check for name, check in ready.json()["checks"].items() if name != "web"} == {
+        "database": "ok",
+        "redis": "ok",
+        "engines": "ok",
     }
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from rest_framework import serializers
 
 from core.api.base import unknown_field_error
-from engine.rules import MAX_COMPLETION_PROMPTS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from engine.rules import MAX_COMPLETION_PROMPTS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SERVICE_TIERS
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
 UNSUPPORTED_FIELDS = frozenset(
@@ -30,7 +30,7 @@ UNSUPPORTED_FIELDS = frozenset(
     }
 )
 # Accepted and ignored: they change nothing about generation.
-IGNORED_FIELDS = frozenset({"service_tier"})
+IGNORED_FIELDS: frozenset[str] = frozenset()
 # OpenAI's bounds on metadata (kept only with store, which this server refuses; checked all the same).
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -189,6 +189,11 @@ class SamplingInputSerializer(serializers.Serializer):
         allow_null=True,
     )
     store = serializers.BooleanField(required=False, allow_null=True)
+    # OpenAI's processing tier; which ones a tenant may use is the operator's choice.
+    service_tier = serializers.ChoiceField(choices=SERVICE_TIERS, required=False, allow_null=True)
+    # Seconds the request may wait to start before it is dropped (also taken from the SDK's
+    # x-stainless-read-timeout header and the tenant's default; the shortest applies).
+    timeout = serializers.FloatField(required=False, allow_null=True, min_value=0.001, max_value=86_400)
 
     def validate_metadata(self, value: dict | None) -> dict | None:
         if value and (len(value) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY for k in value)):

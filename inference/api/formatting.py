@@ -146,6 +146,7 @@ def chat_completion_body(
         "created": plan.created,
         "model": plan.served_model,
         "system_fingerprint": None,
+        "service_tier": plan.service_tier,
         "choices": [
             {
                 "index": c.index,
@@ -173,6 +174,7 @@ def text_completion_body(
         "created": plan.created,
         "model": plan.served_model,
         "system_fingerprint": None,
+        "service_tier": plan.service_tier,
         "choices": [_text_choice(plan, c) for c in choices],
         "usage": usage_body(usage),
     }
@@ -188,6 +190,7 @@ def chunk(
         "created": plan.created,
         "model": plan.served_model,
         "system_fingerprint": None,
+        "service_tier": plan.service_tier,
         "choices": choices,
     }
     if plan.include_usage:

@@ -7,6 +7,8 @@ from inference.gateway.client import EngineGateway, get_gateway
 from inference.gateway.replicas import (
     live_replica_ids,
     live_replica_ids_async,
+    ready_replica_ids,
+    ready_replica_ids_async,
     replica_is_live_async,
     replica_stats_list,
 )
@@ -16,6 +18,8 @@ __all__ = [
     "get_gateway",
     "live_replica_ids",
     "live_replica_ids_async",
+    "ready_replica_ids",
+    "ready_replica_ids_async",
     "replica_is_live_async",
     "replica_stats_list",
 ]

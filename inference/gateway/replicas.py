@@ -1,8 +1,12 @@
 """Engine replicas as seen through their heartbeats: a sorted set of replica ids scored by the
-time of their last beat, and one JSON stats key per replica (with a TTL)."""
+time of their last beat, and one JSON stats key per replica (with a TTL).
+
+Live: its heartbeat is fresh; a request it holds is in good hands. Ready: live and not draining (a
+replica shutting down finishes what it runs but takes nothing new); new requests need one."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from django.conf import settings
@@ -34,13 +38,47 @@ async def replica_is_live_async(model: str, replica_id: str) -> bool:
     return score is not None and score >= _cutoff()
 
 
+def _without_draining(ids: list[str], raw: list) -> list[str]:
+    # Only the flag is read: a replica whose stats this process cannot decode (a newer engine's
+    # fields, a key that expired a moment before its score) counts as ready, as it counts as live.
+    ready = []
+    for replica_id, data in zip(ids, raw, strict=True):
+        try:
+            draining = data is not None and json.loads(data).get("draining") is True
+        except (TypeError, ValueError, AttributeError):
+            draining = False
+        if not draining:
+            ready.append(replica_id)
+    return ready
+
+
+def _stats_keys(model: str, ids: list[str]) -> list[str]:
+    return [replica_stats_key(settings.REDIS_PREFIX, model, rid) for rid in ids]
+
+
+def ready_replica_ids(model: str) -> list[str]:
+    """Live replicas of `model` that take new requests (not draining)."""
+    ids = live_replica_ids(model)
+    if not ids:
+        return []
+    return _without_draining(ids, get_redis().mget(_stats_keys(model, ids)))
+
+
+async def ready_replica_ids_async(model: str) -> list[str]:
+    """Live replicas of `model` that take new requests (not draining): what admission asks for."""
+    ids = await live_replica_ids_async(model)
+    if not ids:
+        return []
+    return _without_draining(ids, await get_async_redis().mget(_stats_keys(model, ids)))
+
+
 def replica_stats_list(model: str) -> list[ReplicaStats]:
     """Stats of the replicas with a fresh heartbeat, ordered by replica id. A replica whose stats
     key has expired or is malformed is left out: it is not serving."""
     ids = sorted(live_replica_ids(model))
     if not ids:
         return []
-    raw = get_redis().mget([replica_stats_key(settings.REDIS_PREFIX, model, rid) for rid in ids])
+    raw = get_redis().mget(_stats_keys(model, ids))
     stats: list[ReplicaStats] = []
     for data in raw:
         if data is None:

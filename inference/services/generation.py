@@ -21,10 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.concurrency import blocking
-from core.errors import InvalidRequestError, PlatformError, ServiceUnavailableError
+from core.errors import InvalidRequestError, PlatformError, RateLimitError, ServiceUnavailableError
 from engine.protocol import Event, GenerateRequest
 from inference import metrics
-from inference.gateway import EngineGateway, get_gateway, live_replica_ids_async, replica_is_live_async
+from inference.gateway import (
+    EngineGateway,
+    get_gateway,
+    live_replica_ids_async,
+    ready_replica_ids_async,
+    replica_is_live_async,
+)
+from inference.gateway.queue_bounds import queue_place_release, queue_place_take
 from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
 from tenants.services import admission_reserve, admission_settle, request_admit, usage_record_create
 from tenants.types import AuthContext, Reservation
@@ -78,6 +85,12 @@ def engine_unavailable(model: str) -> ServiceUnavailableError:
 
 def _engine_error(event: Event) -> PlatformError:
     message = event.message or "The engine failed while generating."
+    if event.code == "queue_timeout":
+        return ServiceUnavailableError(
+            "The request waited to start longer than its timeout allowed and was dropped; nothing "
+            "was billed. Retry later, or with a longer timeout.",
+            code="queue_timeout",
+        )
     if event.code in _CLIENT_ERROR_CODES:
         return InvalidRequestError(message, code=event.code)
     return PlatformError(message, code=event.code or "engine_error")
@@ -91,6 +104,8 @@ class Generation:
     gateway: EngineGateway = field(default_factory=get_gateway)
     reservation: Reservation | None = None
     request_counted: bool = False  # by request_admit, before planning: admission counts tokens only
+    # Seconds the request may wait to start (the client's timeout); the tenant's default also applies.
+    client_timeout_s: float | None = None
     usage: GenerationUsage = field(init=False)
     status: str = "error"
     error_code: str | None = None
@@ -101,6 +116,7 @@ class Generation:
     _first_token_at: float | None = None
     _last_token_at: float | None = None
     _gaps: list[float] = field(default_factory=list)
+    _queued: set[str] = field(default_factory=set)  # engine requests holding a place in the queue bounds
 
     def __post_init__(self) -> None:
         self.usage = GenerationUsage(prompt_tokens=self.plan.prompt_tokens)
@@ -111,9 +127,11 @@ class Generation:
 
     async def run(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished | None]:
         plan = self.plan
-        # Refusals happen before the reservation: nothing is counted, queued or written for them.
-        if not await live_replica_ids_async(plan.model):
+        # Refusals happen before the reservation: nothing is counted, queued or written for them. A
+        # replica that is draining finishes what it holds but is no reason to take a new request.
+        if not await ready_replica_ids_async(plan.model):
             raise engine_unavailable(plan.model)
+        await self._take_queue_places()
         reserving = asyncio.ensure_future(
             blocking(admission_reserve)(
                 auth=self.auth,
@@ -127,6 +145,9 @@ class Generation:
         try:
             # Shielded: the reservation runs on in its thread whatever happens to this task.
             self.reservation = await asyncio.shield(reserving)
+        except PlatformError:
+            await self._release_queue_places()
+            raise
         except asyncio.CancelledError:
             # Cancelled while admission ran: the caller hears of it now; what admission took is
             # given back once it is done, by a task of its own.
@@ -153,12 +174,54 @@ class Generation:
             # A task, so that a second cancellation of this one cannot interrupt the bookkeeping.
             await asyncio.shield(asyncio.ensure_future(self._finish()))
 
+    async def _take_queue_places(self) -> None:
+        plan, limits = self.plan, self.auth.tenant_limits
+        full = await queue_place_take(
+            model=plan.model,
+            tenant=self.auth.tenant_slug,
+            request_ids=plan.engine_request_ids,
+            model_max=plan.max_queued,
+            tenant_max=limits.max_queued_requests,
+        )
+        if full is not None:
+            whose = (
+                "this model's queue" if full.scope == "model" else "your organization's queue for this model"
+            )
+            raise RateLimitError(
+                f"Too many requests are waiting in {whose} ({full.held}). Please retry after "
+                f"{full.retry_after_s} seconds.",
+                code="queue_full",
+                headers={"retry-after": str(full.retry_after_s)},
+            )
+        self._queued.update(plan.engine_request_ids)
+
+    async def _release_queue_places(
+        self, request_ids: list[str] | None = None, *, started: bool = False
+    ) -> None:
+        ids = sorted(self._queued) if request_ids is None else [r for r in request_ids if r in self._queued]
+        if not ids:
+            return
+        self._queued.difference_update(ids)
+        try:
+            await queue_place_release(
+                model=self.plan.model, tenant=self.auth.tenant_slug, request_ids=ids, started=started
+            )
+        except Exception:  # a place left behind expires with the set (STALE_S)
+            logger.exception("could not release the queue places of %s", self.plan.request_id)
+
+    @property
+    def deadline(self) -> float | None:
+        """Unix time by which the request must have started: the shortest of its timeouts."""
+        timeouts = [t for t in (self.client_timeout_s, self.auth.tenant_limits.queue_timeout_seconds) if t]
+        return time.time() + min(timeouts) if timeouts else None
+
     async def _release_unqueued(self, reserving: asyncio.Future) -> None:
         """A reservation made for a request cancelled before it was queued: settled to nothing,
         its concurrency slot freed, and its one ledger row written as cancelled."""
         try:
             self.reservation = await reserving
         except Exception:
+            await self._release_queue_places()
             return  # refused: nothing was taken
         self.status = "cancelled"
         self.usage.prompt_tokens = 0  # nothing was computed
@@ -167,6 +230,7 @@ class Generation:
     async def _submit(self) -> None:
         plan = self.plan
         now = time.time()
+        deadline = self.deadline
         for rid, prompt in zip(plan.engine_request_ids, plan.prompts, strict=True):
             self._pending.add(rid)
             await self.gateway.submit(
@@ -180,6 +244,9 @@ class Generation:
                     cache_salt=f"tenant:{self.auth.tenant_id}",
                     lora=plan.lora,
                     created_at=now,
+                    priority=plan.priority,
+                    weight=float(self.auth.tenant_limits.fair_share_weight),
+                    deadline=deadline,
                 )
             )
 
@@ -198,6 +265,8 @@ class Generation:
             for rid, event in batch:
                 if rid not in self._pending:
                     continue
+                if rid in self._queued:  # its first event: it started, or ended without starting
+                    await self._release_queue_places([rid], started=event.code != "queue_timeout")
                 if event.replica:
                     self._replicas[rid] = event.replica
                 if event.type == "error":
@@ -258,6 +327,9 @@ class Generation:
 
     async def _finish(self) -> None:
         plan = self.plan
+        await self._release_queue_places()
+        if self.error_code == "queue_timeout":
+            self.usage.prompt_tokens = 0  # dropped before anything was computed
         try:
             if self._pending:
                 await self.gateway.cancel(model=plan.model, request_ids=sorted(self._pending))
@@ -312,6 +384,7 @@ class Generation:
                 request_id=self.plan.request_id,
                 end_user=self.plan.end_user,
                 prompt_cache_key=self.plan.prompt_cache_key,
+                service_tier=self.plan.service_tier,
             )
 
 
@@ -326,6 +399,7 @@ async def generation_start(
     request_id: str,
     started_at: float | None = None,
     request_counted: bool = False,
+    client_timeout_s: float | None = None,
 ) -> tuple[Generation, AsyncIterator[ChoiceDelta | ChoiceFinished]]:
     """Plan a validated chat or completion body (`kind`), reserve its tokens and queue it.
 
@@ -340,8 +414,13 @@ async def generation_start(
         if not request_counted:
             await blocking(request_admit)(auth=auth, request_id=request_id)
         plan = await blocking(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
+        timeouts = [t for t in (client_timeout_s, data.get("timeout")) if t]
         generation = Generation(
-            auth=auth, plan=plan, started_at=started_at or time.perf_counter(), request_counted=True
+            auth=auth,
+            plan=plan,
+            started_at=started_at or time.perf_counter(),
+            request_counted=True,
+            client_timeout_s=min(timeouts) if timeouts else None,
         )
         events = generation.run()
         await anext(events)  # admitted and queued

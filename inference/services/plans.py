@@ -9,6 +9,7 @@ from typing import Any
 
 from core.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
 from engine.protocol import LoRARef
+from engine.rules import SERVICE_TIER_PRIORITY
 from inference import tokenization
 from inference.models import LoraAdapter, ModelDeployment
 from inference.selectors import adapter_get_servable, deployment_get_enabled
@@ -54,7 +55,13 @@ class GenerationPlan:
     end_user: str = ""  # safety_identifier (or the older `user`), for the ledger
     prompt_cache_key: str = ""
     lora: LoRARef | None = None
+    service_tier: str = "default"  # the tier it runs on: default, flex or priority
+    max_queued: int | None = None  # the deployment's bound on requests waiting to start
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def priority(self) -> int:
+        return SERVICE_TIER_PRIORITY[self.service_tier]
 
     @property
     def served_model(self) -> str:
@@ -89,6 +96,7 @@ class ServedModel:
             "model": deployment.name,
             "model_path": deployment.model_path,
             "max_model_len": deployment.max_model_len,
+            "max_queued": deployment.max_queued_requests,
         }
         if adapter is not None:
             fields["adapter"] = adapter.name
@@ -140,6 +148,29 @@ def _sampling(
     return params
 
 
+def service_tier_resolve(*, auth: AuthContext, asked: str | None) -> str:
+    """The tier a request runs on: the one it asked for if the operator allows it the tenant,
+    `auto` (or none) the tenant's default (default, else flex, else priority)."""
+    allowed = auth.tenant_limits.service_tiers
+    if asked in (None, "auto"):
+        tier = next((t for t in ("default", "flex", "priority") if t in allowed), None)
+        if tier is None:
+            raise InvalidRequestError(
+                "No service tier is enabled for this organization.",
+                param="service_tier",
+                code="service_tier_unavailable",
+            )
+        return tier
+    if asked not in allowed:
+        enabled = ", ".join(t for t in SERVICE_TIER_PRIORITY if t in allowed) or "none"
+        raise InvalidRequestError(
+            f"The service tier `{asked}` is not enabled for this organization (enabled: {enabled}).",
+            param="service_tier",
+            code="service_tier_unavailable",
+        )
+    return asked
+
+
 def _caller_ids(data: dict[str, Any]) -> dict[str, str]:
     return {
         "end_user": data.get("safety_identifier") or data.get("user") or "",
@@ -185,6 +216,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         prompt_logprobs=prompt_logprobs,
         stream=stream,
         include_usage=include_usage,
+        service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
         **_caller_ids(data),
     )
 
@@ -247,5 +279,6 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
         prompt_logprobs=prompt_logprobs,
         stream=stream,
         include_usage=include_usage,
+        service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
         **_caller_ids(data),
     )

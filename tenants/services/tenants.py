@@ -19,6 +19,10 @@ _LIMIT_FIELDS = (
     "max_concurrent_requests",
     "monthly_token_quota",
     "allowed_models",
+    "fair_share_weight",
+    "service_tiers",
+    "max_queued_requests",
+    "queue_timeout_seconds",
 )
 # Members read; owners and admins also create and revoke keys.
 # Owners and admins manage a tenant's API keys and LoRA adapters; members only read.
@@ -47,7 +51,11 @@ def tenant_create(
     tokens_per_minute: int | None = DEFAULT,
     max_concurrent_requests: int | None = DEFAULT,
     monthly_token_quota: int | None = DEFAULT,
+    max_queued_requests: int | None = DEFAULT,
+    queue_timeout_seconds: int | None = DEFAULT,
     allowed_models: list[str] | None = None,
+    fair_share_weight: int = 1,
+    service_tiers: list[str] | None = None,
 ) -> Tenant:
     """A tenant and its limits: each limit not given is the TENANT_DEFAULT_LIMITS setting's, None
     is unlimited."""
@@ -56,11 +64,20 @@ def tenant_create(
         "tokens_per_minute": tokens_per_minute,
         "max_concurrent_requests": max_concurrent_requests,
         "monthly_token_quota": monthly_token_quota,
+        "max_queued_requests": max_queued_requests,
+        "queue_timeout_seconds": queue_timeout_seconds,
     }
     defaults = tenant_default_limits()
     limits = {name: defaults.get(name) if value is DEFAULT else value for name, value in given.items()}
     tenant = Tenant.objects.create(name=name, slug=slug)
-    TenantLimits.objects.create(tenant=tenant, allowed_models=list(allowed_models or []), **limits)
+    if service_tiers is not None:
+        limits["service_tiers"] = list(service_tiers)
+    TenantLimits.objects.create(
+        tenant=tenant,
+        allowed_models=list(allowed_models or []),
+        fair_share_weight=fair_share_weight,
+        **limits,
+    )
     return tenant
 
 

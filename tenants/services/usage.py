@@ -34,6 +34,7 @@ def usage_record_create(
     request_id: str,
     end_user: str = "",
     prompt_cache_key: str = "",
+    service_tier: str = "default",
 ) -> UsageRecord:
     """Write the request's ledger row. Calling again for the same request id returns that row."""
     if status not in UsageRecord.Status.values:
@@ -52,6 +53,7 @@ def usage_record_create(
         status=status,
         end_user=end_user or "",
         prompt_cache_key=prompt_cache_key or "",
+        service_tier=service_tier or "default",
     )
     try:
         # A savepoint, so a duplicate does not poison a caller's surrounding transaction.

@@ -1,6 +1,7 @@
-"""A real serving stack for end-to-end tests: daphne serving config.asgi and engine replicas
-(`manage.py run_engine`, which becomes `python -m engine.serve`), all on pytest-django's test
-database and this run's Redis prefix, driven through the official clients.
+"""A real serving stack for end-to-end tests: the web entry point (`python -m config.web_server`,
+daphne serving config.asgi) and engine replicas (`manage.py run_engine`, which becomes
+`python -m engine.serve`), all on pytest-django's test database and this run's Redis prefix, driven
+through the official clients.
 
 Every process writes its output to a log file; `log_tails()` is what a failing test shows.
 """
@@ -139,7 +140,7 @@ class ServingStack:
         return "\n".join(parts)
 
     def stop(self, *, grace_s: float = 5.0) -> None:
-        """SIGTERM to every process at once (engines drain, daphne closes), SIGKILL to stragglers."""
+        """SIGTERM to every process at once (engines and web drain), SIGKILL to stragglers."""
         processes = [p.popen for p in [self.web, *self.replicas.values()] if p.popen.poll() is None]
         for popen in processes:
             with contextlib.suppress(ProcessLookupError):
@@ -160,14 +161,43 @@ def _spawn(name: str, argv: list[str], log_path: Path, **env: str) -> Process:
     return Process(name=name, popen=popen, log_path=log_path)
 
 
+def start_web(*, log_path: Path, name: str = "web", **env: str) -> tuple[Process, str]:
+    """One web process (the project's entry point: daphne with a drain on SIGTERM) on a free port;
+    returns it and its base URL once /live answers."""
+    port = free_port()
+    web = _spawn(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "config.web_server",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "config.asgi:application",
+        ],
+        log_path,
+        **env,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http(base_url + "/live", timeout=STARTUP_TIMEOUT_S, process=web.popen)
+    except Exception as exc:
+        web.popen.kill()
+        web.popen.wait(timeout=30)
+        raise RuntimeError(f"{name} did not start: {exc}\n{web.tail()}") from exc
+    return web, base_url
+
+
 @contextlib.contextmanager
 def serving_stack(
     *, model: str, replica_ids: list[str], log_dir: Path, env: dict[str, str] | None = None
 ) -> Iterator[ServingStack]:
-    """Start the engine replicas of `model` (a ModelDeployment row committed beforehand) and daphne,
-    and yield once /ready shows every replica's heartbeat. Everything is killed on the way out."""
+    """Start the engine replicas of `model` (a ModelDeployment row committed beforehand) and a web
+    process, and yield once /ready shows every replica's heartbeat. Everything is killed on the way
+    out."""
     env = dict(env or {})
-    port = free_port()
     replicas = {
         replica_id: _spawn(
             f"engine {replica_id}",
@@ -180,16 +210,16 @@ def serving_stack(
         )
         for replica_id in replica_ids
     }
-    web = _spawn(
-        "daphne",
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
-        log_dir / "daphne.log",
-        **env,
-    )
-    stack = ServingStack(base_url=f"http://127.0.0.1:{port}", model=model, web=web, replicas=replicas)
+    try:
+        web, base_url = start_web(log_path=log_dir / "web.log", **env)
+    except Exception:
+        for process in replicas.values():
+            process.popen.kill()
+            process.popen.wait(timeout=30)
+        raise
+    stack = ServingStack(base_url=base_url, model=model, web=web, replicas=replicas)
     try:
         try:
-            wait_for_http(stack.base_url + "/health", timeout=STARTUP_TIMEOUT_S, process=web.popen)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
 
             def all_replicas_ready() -> bool:

@@ -48,7 +48,11 @@ def world_options(served_model_dir: Path) -> dict:
 
 
 def tiny_engine(
-    model_dir: str, *, lora: LoRAConfig | None = None, enable_prefix_caching: bool = True
+    model_dir: str,
+    *,
+    lora: LoRAConfig | None = None,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 8,
 ) -> LLMEngine:
     """An LLMEngine of the tiny model with the sizes every serving test assumes; `lora` is an
     engine LoRAConfig, or None for a replica without adapters."""
@@ -64,7 +68,7 @@ def tiny_engine(
                 block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, enable_prefix_caching=enable_prefix_caching
             ),
             scheduler=SchedulerConfig(
-                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=8
+                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=max_num_seqs
             ),
             lora=lora,
         )
@@ -72,15 +76,17 @@ def tiny_engine(
 
 
 @contextmanager
-def running_engine_worker(world: World, *, lora: LoRAConfig | None = None) -> Iterator[object]:
+def running_engine_worker(
+    world: World, *, lora: LoRAConfig | None = None, max_num_seqs: int = 8
+) -> Iterator[object]:
     """One real engine replica of the world's model (the tiny model's LLMEngine and the Redis loop,
     in a thread of this process), live once this yields. `lora` (an engine LoRAConfig) makes it a
-    replica that serves adapters."""
+    replica that serves adapters; `max_num_seqs` bounds the sequences it runs at once."""
     import redis
 
     from engine.worker import EngineWorker, RequestQueue, WorkerSettings
 
-    engine = tiny_engine(world.deployment.model_path, lora=lora)
+    engine = tiny_engine(world.deployment.model_path, lora=lora, max_num_seqs=max_num_seqs)
     client = redis.Redis.from_url(settings.REDIS_URL)
     ws = WorkerSettings(
         model=world.model, prefix=settings.REDIS_PREFIX, heartbeat_interval_s=0.2, idle_block_ms=20

@@ -45,6 +45,7 @@ class ProtocolFaultInjector:
             num_free_blocks=num_free_blocks,
             num_total_blocks=10,
             heartbeat_at=time.time(),
+            draining=stats.get("draining", False),
         )
         await redis.set(replica_stats_key(self.prefix, self.model, self.replica_id), body.encode(), ex=30)
         await redis.zadd(replicas_key(self.prefix, self.model), {self.replica_id: time.time()})

@@ -63,6 +63,7 @@ async def test_chat_completion_has_openai_shape_and_one_ledger_row(world, engine
         "created": body["created"],
         "model": world.model,
         "system_fingerprint": None,
+        "service_tier": "default",
         "choices": [
             {
                 "index": 0,
@@ -304,6 +305,17 @@ async def test_too_long_prompt_is_400_naming_both_numbers(world):
 
 
 async def test_no_live_replica_is_503_and_nothing_is_queued_or_billed(world):
+    response = await api_post(world, URL, chat_body(world))
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "engine_unavailable"
+    assert await queued_requests(world.model) == []
+    assert await ledger() == []
+
+
+async def test_a_model_whose_only_replica_is_draining_takes_no_new_request(world):
+    # The draining replica is live (what it holds is in good hands) but takes nothing new: a new
+    # request must not wait in a queue nobody will read.
+    await world.faults.heartbeat(draining=True)
     response = await api_post(world, URL, chat_body(world))
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "engine_unavailable"

@@ -68,6 +68,35 @@ async def test_ready_lists_the_live_engine_replica_of_each_model(world, engine_w
     assert (replica["replica_id"], replica["num_running"]) == (engine_worker.settings.replica_id, 0)
 
 
+async def test_a_model_whose_only_live_replica_is_draining_is_live_for_its_requests_but_not_ready(
+    world, operator_headers
+):
+    from inference.gateway import live_replica_ids_async, ready_replica_ids, ready_replica_ids_async
+    from tests.inference.fault_injection import ProtocolFaultInjector
+
+    await world.faults.heartbeat(draining=True)
+
+    response = await AsyncClient().get("/ready", headers=operator_headers)
+
+    assert response.status_code == 503
+    model = response.json()["models"][world.model]
+    assert model["ready"] is False
+    assert [(r["replica_id"], r["draining"]) for r in model["replicas"]] == [(world.faults.replica_id, True)]
+    assert response.json()["checks"]["engines"] == f"only draining engine replicas for: {world.model}"
+    # Requests it holds keep it as live; new ones must not count on it.
+    assert await live_replica_ids_async(world.model) == [world.faults.replica_id]
+    assert await ready_replica_ids_async(world.model) == []
+    assert await sync_to_async(ready_replica_ids)(world.model) == []
+
+    other = ProtocolFaultInjector(world.model, replica_id="fault-injector-2")
+    await other.heartbeat()
+    response = await AsyncClient().get("/ready", headers=operator_headers)
+
+    assert (response.status_code, response.json()["models"][world.model]["ready"]) == (200, True)
+    assert await ready_replica_ids_async(world.model) == ["fault-injector-2"]
+    assert sorted(await live_replica_ids_async(world.model)) == [world.faults.replica_id, "fault-injector-2"]
+
+
 async def _heartbeat_matching(worker) -> object:
     """The replica's own stats, once its published heartbeat shows them (it beats every 0.2 s)."""
     from inference.selectors import deployment_replicas

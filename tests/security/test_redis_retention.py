@@ -4,6 +4,7 @@ does; output streams expire."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -12,6 +13,7 @@ from django.conf import settings
 
 from engine.protocol import CONSUMER_GROUP, Event, GenerateRequest, output_stream
 from engine.worker import RequestQueue
+from tests.helpers import wait_until
 
 
 @pytest.fixture
@@ -33,6 +35,14 @@ def _queue_request(q: RequestQueue, request_id: str) -> None:
     q.client.xadd(q.stream, request.encode())
 
 
+def _clock_past_entries(q: RequestQueue) -> None:
+    """Until the clock has left the millisecond of the newest entry: "older than 0 s" holds for
+    every entry only then (stream ids are millisecond timestamps)."""
+    [(newest, _)] = q.client.xrevrange(q.stream, count=1)
+    ms = int(newest.split(b"-")[0])
+    wait_until(lambda: time.time() * 1000 >= ms + 1, timeout=5, interval=0.001, what="the next millisecond")
+
+
 def _ids_left(q: RequestQueue) -> list[str]:
     return [GenerateRequest.decode(fields).request_id for _, fields in q.client.xrange(q.stream)]
 
@@ -46,6 +56,7 @@ def test_only_answered_requests_past_the_window_leave_the_stream(queue):
     queue.trim_answered(retention_s=3600)
     assert _ids_left(queue) == ["answered", "running", "waiting"]  # within the window
 
+    _clock_past_entries(queue)
     queue.trim_answered(retention_s=0)
     assert _ids_left(queue) == ["running", "waiting"]
 

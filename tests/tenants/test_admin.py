@@ -50,6 +50,10 @@ def test_tenant_add_page_has_limits_and_members_inline(operator):
         "max_concurrent_requests",
         "monthly_token_quota",
         "allowed_models",
+        "fair_share_weight",
+        "service_tiers",
+        "max_queued_requests",
+        "queue_timeout_seconds",
     ):
         assert f'name="limits-0-{field}"' in html, field
     assert 'name="memberships-TOTAL_FORMS"' in html
@@ -68,6 +72,10 @@ def test_operator_creates_a_tenant_with_limits_and_an_owner_in_one_form(operator
         "limits-0-max_concurrent_requests": "4",
         "limits-0-monthly_token_quota": "1000000",
         "limits-0-allowed_models": f'["{MODEL}"]',
+        "limits-0-fair_share_weight": "3",
+        "limits-0-service_tiers": '["default", "priority"]',
+        "limits-0-max_queued_requests": "8",
+        "limits-0-queue_timeout_seconds": "30",
         **_inline_management("memberships", total=1),
         "memberships-0-user": str(user.pk),
         "memberships-0-role": "owner",
@@ -84,10 +92,30 @@ def test_operator_creates_a_tenant_with_limits_and_an_owner_in_one_form(operator
         limits.max_concurrent_requests,
         limits.monthly_token_quota,
         limits.allowed_models,
-    ) == (60, 10000, 4, 1_000_000, [MODEL])
+        limits.fair_share_weight,
+        limits.service_tiers,
+        limits.max_queued_requests,
+        limits.queue_timeout_seconds,
+    ) == (60, 10000, 4, 1_000_000, [MODEL], 3, ["default", "priority"], 8, 30)
     assert list(Membership.objects.filter(tenant=tenant).values_list("user__username", "role")) == [
         ("new-owner", "owner")
     ]
+
+
+def test_the_admin_refuses_an_unknown_service_tier(operator, world):
+    data = {
+        "name": "Initech",
+        "slug": "initech",
+        "active": "on",
+        **_inline_management("limits", total=1, minimum=1, maximum=1),
+        "limits-0-allowed_models": "[]",
+        "limits-0-fair_share_weight": "1",
+        "limits-0-service_tiers": '["default", "platinum"]',
+        **_inline_management("memberships", total=0),
+    }
+    response = operator.post("/admin/tenants/tenant/add/", data)
+    assert response.status_code == 200 and "A list of service tiers" in response.content.decode()
+    assert not Tenant.objects.filter(slug="initech").exists()
 
 
 def test_limits_edited_in_the_admin_reach_cached_keys_at_once(
@@ -106,6 +134,8 @@ def test_limits_edited_in_the_admin_reach_cached_keys_at_once(
         "limits-0-tenant": str(world.tenant_a.pk),
         "limits-0-requests_per_minute": "7",
         "limits-0-allowed_models": f'["{MODEL}"]',
+        "limits-0-fair_share_weight": "4",
+        "limits-0-service_tiers": '["default", "flex", "priority"]',
         **_inline_management("memberships", total=0),
     }
 
@@ -115,6 +145,8 @@ def test_limits_edited_in_the_admin_reach_cached_keys_at_once(
     assert response.status_code == 302, response.content.decode()[:2000]
     context = api_key_authenticate(raw_key=world.raw_key_a)
     assert context.tenant_limits.requests_per_minute == 7
+    assert context.tenant_limits.fair_share_weight == 4
+    assert context.tenant_limits.service_tiers == ("default", "flex", "priority")
     assert context.allowed_models == (MODEL,)
 
 

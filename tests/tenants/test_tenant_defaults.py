@@ -17,6 +17,8 @@ DEFAULTS = {
     "tokens_per_minute": 7000,
     "max_concurrent_requests": 3,
     "monthly_token_quota": 700_000,
+    "max_queued_requests": 5,
+    "queue_timeout_seconds": 70,
 }
 
 
@@ -60,6 +62,8 @@ def test_a_tenant_without_a_limits_row_is_held_to_the_defaults():
         limits.tokens_per_minute,
         limits.max_concurrent_requests,
         limits.monthly_token_quota,
+        limits.max_queued_requests,
+        limits.queue_timeout_seconds,
     ) == tuple(DEFAULTS.values())
 
 
