@@ -40,7 +40,10 @@ def _fetch_demo_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from engine.allocator import reexec_with_tcmalloc
     from engine.serve import run
+
+    reexec_with_tcmalloc(["-m", "engine", *sys.argv[1:]])
 
     return run(args)
 

@@ -22,6 +22,7 @@ from engine.protocol import LoRARef
 from engine.sampling_params import SamplingParams
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_profile import StepProfile
 from engine.stop_checker import FINISH_LENGTH, OutputStream
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, FINISH_LENGTH: SequenceStatus.FINISHED_LENGTH}
@@ -92,6 +93,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        # Per-phase step timings when set (the engine benchmarks do); None costs nothing.
+        self.profile: StepProfile | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -208,7 +211,12 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        profile = self.profile
+        if profile is not None:
+            profile.start()
         sched_out = self.scheduler.schedule()
+        if profile is not None:
+            profile.mark("schedule")
         touched: dict[str, None] = {}
         for seq in sched_out.finished_aborted:
             self._finish_completion(seq, "abort", None)
@@ -222,6 +230,7 @@ class LLMEngine:
         if sched_out.scheduled:
             self.num_steps += 1
             try:
+                self.runner.profile = profile
                 result = self.runner.run(sched_out)
             except Exception as exc:  # a failed forward ends the requests in it, not the engine
                 return self._outputs(touched) + self._fail(sched_out, exc)
@@ -230,7 +239,14 @@ class LLMEngine:
             for seq in self.scheduler.update_from_output(sched_out, result.sampled_token_ids):
                 self._append(seq, result.logprobs.get(seq.seq_id))
                 touched[seq.request_id] = None
-        return self._outputs(touched)
+            if profile is not None:
+                profile.mark("detokenize")
+                profile.num_steps += 1
+                profile.num_tokens += sched_out.num_batched_tokens
+        outputs = self._outputs(touched)
+        if profile is not None:
+            profile.mark("output")
+        return outputs
 
     def _append(self, seq: Sequence, logprobs) -> None:
         c = self._completions[seq.seq_id]

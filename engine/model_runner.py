@@ -15,6 +15,7 @@ from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs, make_generator
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.step_profile import StepProfile
 
 
 @dataclass(slots=True)
@@ -80,6 +81,7 @@ class ModelRunner:
         # engine.lora.LoRAManager when adapters are served: it maps each step's tokens to slots.
         self.lora = None
         self.graphs: _DecodeGraphs | None = None
+        self.profile: StepProfile | None = None  # the engine's, while it profiles its steps
         if self.device.type == "cuda" and not enforce_eager and cuda_graph_batch_sizes:
             self.graphs = _DecodeGraphs(self, cuda_graph_batch_sizes)
 
@@ -221,6 +223,7 @@ class ModelRunner:
         return self._generators[seq.seq_id]
 
     def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        profile = self.profile
         if not scheduler_output.scheduled:
             return RunnerOutput({}, {})
         scheduled = scheduler_output.scheduled
@@ -228,7 +231,13 @@ class ModelRunner:
             # Reordered so that each adapter's tokens are one contiguous run of the batch.
             scheduled = self.lora.begin_step(scheduled)
         inputs = self.prepare(scheduled)
+        if profile is not None:
+            profile.mark("prepare")
         logits = self.execute(inputs)
+        if profile is not None:
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)
+            profile.mark("forward")
         prompt_logprobs = self._prompt_logprobs
         if not inputs.sampled:
             return RunnerOutput({}, {}, prompt_logprobs)
@@ -242,6 +251,8 @@ class ModelRunner:
         )
         ids = {s.seq_id: t for s, t in zip(seqs, out.token_ids, strict=True)}
         logprobs = {s.seq_id: lp for s, lp in zip(seqs, out.logprobs, strict=True)}
+        if profile is not None:
+            profile.mark("sample")
         return RunnerOutput(ids, logprobs, prompt_logprobs)
 
     def free(self, seq_id: int) -> None:

@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from engine.allocator import reexec_with_tcmalloc
 from engine.config import CacheConfig, ConfigError, EngineConfig, LoRAConfig, SchedulerConfig
 from engine.worker.settings import WorkerSettings
 
@@ -190,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # a process of its own (python -m engine.serve): the allocator can be chosen
+        reexec_with_tcmalloc(["-m", "engine.serve", *sys.argv[1:]])
     return run(args)
 
 

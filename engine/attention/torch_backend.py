@@ -13,8 +13,10 @@ it again, see TorchAttentionBackend); a layer itself only stores its K/V, gather
   read back from the cache.
 - A chunk that follows cached tokens gathers its context and uses a causal mask offset by them.
 
-On CPU the decode gathers land in workspaces kept across steps: a fresh tensor of tens of megabytes
-per layer costs more in page faults than the copy itself.
+On CPU the decode rows go to a C kernel that reads the paged cache in place
+(kernels.cpu_paged_decode_attention) when it could be compiled; otherwise, and off CPU, they take
+the gather path above, whose gathers land in workspaces kept across steps on CPU: a fresh tensor of
+tens of megabytes per layer costs more in page faults than the copy itself.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from kernels import cpu_paged_decode_attention as cpu_kernel
 
 
 def store_kv(
@@ -71,9 +74,19 @@ class _ChunkPlan:
 
 
 @dataclass(slots=True)
+class _KernelDecodes:
+    """The decode rows of a mixed step, for the CPU kernel."""
+
+    rows: torch.Tensor  # (num_decodes,) int64 query rows
+    block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
+    seq_lens: torch.Tensor  # (num_decodes,) int32
+
+
+@dataclass(slots=True)
 class _StepPlan:
     decodes: list[_DecodePlan] = field(default_factory=list)
     chunks: list[_ChunkPlan] = field(default_factory=list)
+    kernel_decodes: _KernelDecodes | None = None
 
 
 def _plan_decode(
@@ -123,8 +136,11 @@ def _plan_decodes(
     return plans
 
 
-def plan_step(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
-    """Everything about a step's layout that does not depend on the layer.
+def plan_step(
+    metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, decode_kernel: bool = False
+) -> _StepPlan:
+    """Everything about a step's layout that does not depend on the layer. With ``decode_kernel``
+    the decode rows are left to the CPU kernel (kernel_decodes) instead of gather plans.
 
     Off CPU, a decode-only step is planned from device tensors and the host max_seq_len only, as
     one group, so that it can be captured in a CUDA graph (whose host lengths are upper bounds).
@@ -156,6 +172,14 @@ def plan_step(metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) 
             mask = torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
             chunks.append(_ChunkPlan(start, end, seq_len, blocks, mask))
         start = end
+    if decode_rows and decode_kernel:
+        index = torch.tensor(decode_seqs, dtype=torch.long, device=device)
+        kernel = _KernelDecodes(
+            torch.tensor(decode_rows, dtype=torch.long, device=device),
+            metadata.block_tables.index_select(0, index),
+            metadata.seq_lens.index_select(0, index).to(torch.int32),
+        )
+        return _StepPlan([], chunks, kernel)
     decodes = _plan_decodes(metadata, decode_seqs, decode_rows, block_size, dtype) if decode_rows else []
     return _StepPlan(decodes, chunks)
 
@@ -169,6 +193,16 @@ class TorchAttentionBackend:
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
         self._workspaces: dict[str, torch.Tensor] = {}
+        # The C decode kernel on CPU: None until the first CPU forward asks whether it compiled.
+        # Tests set it False to run the gather path.
+        self.use_cpu_kernel: bool | None = None
+
+    def _decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if q.device.type != "cpu":
+            return False
+        if self.use_cpu_kernel is None:
+            self.use_cpu_kernel = cpu_kernel.available()
+        return self.use_cpu_kernel and cpu_kernel.supports(q, k_cache)
 
     def forward(
         self,
@@ -181,10 +215,21 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        plan = self._step_plan(metadata, k_cache.shape[1], q.dtype, q.device)
+        kernel = self._decode_kernel(q, k_cache)
+        if kernel and metadata.is_pure_decode:
+            return cpu_kernel.paged_decode_attention_cpu(
+                q.contiguous(), k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale
+            )
+        plan = self._step_plan(metadata, k_cache.shape[1], q.dtype, q.device, kernel)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decode(q, k_cache, v_cache, plan.decodes[0], scale)
         out = torch.empty_like(q)
+        if plan.kernel_decodes is not None:
+            d = plan.kernel_decodes
+            q = q.contiguous()
+            cpu_kernel.paged_decode_attention_cpu(
+                q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, rows=d.rows, out=out
+            )
         for decode in plan.decodes:
             rows = decode.rows
             out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, decode, scale))
@@ -193,12 +238,17 @@ class TorchAttentionBackend:
         return out
 
     def _step_plan(
-        self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        metadata: AttentionMetadata,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        decode_kernel: bool = False,
     ) -> _StepPlan:
         if device.type != "cpu":
             return plan_step(metadata, block_size, dtype)
         if self._plan_metadata is not metadata or self._plan is None:
-            self._plan = plan_step(metadata, block_size, dtype)
+            self._plan = plan_step(metadata, block_size, dtype, decode_kernel)
             self._plan_metadata = metadata
         return self._plan
 

@@ -14,6 +14,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
+from kernels import cpu_fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,8 +37,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # the C kernel on CPU (set by LlamaForCausalLM once it knows the device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``residual_delta``, the residual stream x is first updated in place (x += delta)."""
+        if self.fused:
+            return cpu_fused.rms_norm(x, self.weight, self.eps, residual_delta)
+        if residual_delta is not None:
+            x.add_(residual_delta)
         # Normalise in float32 then cast back before the weight, as the reference implementation does.
         dtype = x.dtype
         x32 = x.float()
@@ -80,8 +87,11 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = False  # the C silu_mul on CPU (set by LlamaForCausalLM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         # In place on the fused projection's output, which nothing else holds: two fewer
         # (num_tokens, intermediate_size) temporaries per layer.
@@ -96,11 +106,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
-        # The residual stream is updated in place: it is this forward's own tensor (the embedding
-        # output), never a caller's.
-        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, delta, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
+        """Adds ``delta`` (the previous layer's MLP output, or None) to the residual stream x in
+        place and returns this layer's MLP output, to be added by the next norm: each residual
+        update rides along with the norm that reads it. x is this forward's own tensor (the
+        embedding output), never a caller's."""
+        attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, kv_cache, metadata, backend)
+        return self.mlp(self.post_attention_layernorm(x, attn))
 
 
 class LlamaModel(nn.Module):
@@ -122,6 +134,20 @@ class LlamaForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self._rope_table: torch.Tensor | None = None  # (2, num_positions, head_dim): cos, signed sin
+        self._fused_device: torch.device | None = None
+
+    def _use_fused(self, device: torch.device) -> None:
+        """Norms and MLP activations take the C kernels on CPU where they could be built."""
+        if self._fused_device == device:
+            return
+        self._fused_device = device
+        on = device.type == "cpu" and self.config_dtype_supported() and cpu_fused.available()
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaMLP):
+                module.fused = on
+
+    def config_dtype_supported(self) -> bool:
+        return self.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
 
     @torch.inference_mode()
     def forward(
@@ -132,10 +158,12 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # (num_tokens, hidden_size), after the final norm
         x = self.model.embed_tokens(input_ids)
+        self._use_fused(x.device)
         cos, sin_signed = self._cos_sin(positions, metadata.max_seq_len, x.dtype)
+        delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin_signed, kv_cache, metadata, self.backend)
-        return self.model.norm(x)
+            delta = layer(x, delta, cos, sin_signed, kv_cache, metadata, self.backend)
+        return self.model.norm(x, delta)
 
     def _cos_sin(
         self, positions: torch.Tensor, max_len: int, dtype: torch.dtype

@@ -1,0 +1,127 @@
+"""Paged decode attention on the CPU, in C, read in place from the paged KV cache.
+
+PagedAttention (Kwon et al., SOSP 2023), as vLLM's CPU backend runs it: the plain-torch path gathers
+every decode's context into a padded batch per layer (tens of megabytes copied per layer and step)
+before attending; this kernel reads each K and V row where it lies, once, for the whole GQA group.
+The source (kernels/cpu/paged_decode_attention.c) is compiled on first use (kernels._cpu_build) and
+called through ctypes; its threads are those of torch's OpenMP runtime. Where it cannot be built
+(no compiler, or PAGODA_CPU_KERNELS=0) `available()` is False and the torch path runs instead.
+
+Reference: kernels.reference.ref_paged_attention (each query a decode row).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import _cpu_build
+
+_SIGNATURES = {
+    "paged_decode_attention": (
+        ctypes.c_int,
+        [
+            ctypes.c_void_p,  # q
+            ctypes.c_void_p,  # k_cache
+            ctypes.c_void_p,  # v_cache
+            ctypes.c_int,  # is_bf16
+            ctypes.c_void_p,  # block_tables
+            ctypes.c_int64,  # bt_stride
+            ctypes.c_void_p,  # seq_lens
+            ctypes.c_void_p,  # rows (nullable)
+            ctypes.c_int,  # num_seqs
+            ctypes.c_int,  # num_heads
+            ctypes.c_int,  # num_kv_heads
+            ctypes.c_int,  # head_dim
+            ctypes.c_int,  # block_size
+            ctypes.c_float,  # scale
+            ctypes.c_void_p,  # out
+            ctypes.c_int,  # num_threads
+        ],
+    )
+}
+
+
+def _load() -> ctypes.CDLL | None:
+    return _cpu_build.load("paged_decode_attention", _SIGNATURES)
+
+
+def available() -> bool:
+    """True when the kernel is compiled and loaded (compiling it on the first call)."""
+    return _load() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel handles these shapes and dtypes (the torch path handles the rest)."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == q.dtype
+        and num_heads % num_kv_heads == 0
+    )
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,  # (num_rows, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    seq_lens: torch.Tensor,  # (num_seqs,) int32: context length including the query's own token
+    scale: float,
+    *,
+    rows: torch.Tensor | None = None,  # (num_seqs,) int64: sequence i's row of q and out
+    out: torch.Tensor | None = None,  # (num_rows, num_heads, head_dim), written in the given rows
+) -> torch.Tensor:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU decode attention kernel is not available")
+    if not supports(q, k_cache):
+        raise ValueError(f"unsupported decode attention: q {tuple(q.shape)} {q.dtype}, cache {k_cache.dtype}")
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q, k_cache and v_cache must be contiguous")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must match")
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be int32 with contiguous rows")
+    num_seqs = seq_lens.shape[0]
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError("block_tables and seq_lens disagree on the number of sequences")
+    if rows is None:
+        if q.shape[0] != num_seqs:
+            raise ValueError("without rows, q must have one row per sequence")
+    else:
+        rows = rows.to(torch.int64).contiguous()
+        if rows.shape[0] != num_seqs:
+            raise ValueError("rows must name one row per sequence")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be contiguous and shaped like q")
+    if num_seqs == 0:
+        return out
+    status = lib.paged_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(q.dtype == torch.bfloat16),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        None if rows is None else rows.data_ptr(),
+        num_seqs,
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        float(scale),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == 2:
+        raise MemoryError("decode attention: out of memory for the score buffers")
+    if status != 0:
+        raise ValueError("decode attention: sizes beyond the kernel's limits")
+    return out

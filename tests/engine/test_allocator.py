@@ -1,0 +1,60 @@
+"""Engine processes run under tcmalloc where the machine has it (engine.allocator)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.allocator import tcmalloc_path, with_tcmalloc
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_tcmalloc = pytest.mark.skipif(tcmalloc_path() is None, reason="libtcmalloc-minimal4 is not installed")
+
+# A process that asks for tcmalloc the way `python -m engine serve` does, then says what it runs on.
+_PROBE = """
+from engine.allocator import reexec_with_tcmalloc, tcmalloc_loaded
+reexec_with_tcmalloc([__file__])
+print("loaded" if tcmalloc_loaded() else "not loaded")
+"""
+
+
+def _run_probe(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "probe.py"
+    path.write_text(_PROBE)
+    return subprocess.run(
+        [sys.executable, str(path)],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@needs_tcmalloc
+def test_a_launcher_puts_tcmalloc_first_in_the_preload():
+    env = with_tcmalloc({"LD_PRELOAD": "/lib/other.so"})
+    assert env["LD_PRELOAD"] == f"{tcmalloc_path()}:/lib/other.so"
+    assert with_tcmalloc(env) == env  # never twice
+
+
+def test_pagoda_tcmalloc_0_keeps_the_environment_as_it_is(monkeypatch):
+    monkeypatch.setenv("PAGODA_TCMALLOC", "0")
+    assert with_tcmalloc({"PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+@needs_tcmalloc
+def test_an_engine_process_started_without_tcmalloc_replaces_itself_with_one_that_has_it(tmp_path):
+    out = _run_probe(tmp_path)
+
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "loaded"
+
+
+def test_an_engine_process_keeps_glibc_malloc_when_told_to(tmp_path):
+    out = _run_probe(tmp_path, PAGODA_TCMALLOC="0")
+
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "not loaded"

@@ -1,0 +1,69 @@
+"""The fused CPU elementwise kernels against the plain-torch forms they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_fused
+from tests.kernels.helpers import DTYPES, assert_close
+
+pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler on this machine")
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("dim", [576, 1000])
+def test_rms_norm_matches_the_torch_form(dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    weight = torch.rand(dim, generator=gen).to(dtype) + 0.5
+
+    out = cpu_fused.rms_norm(x.clone(), weight, 1e-5)
+
+    assert out.dtype == dtype
+    assert_close(out, _torch_rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_a_delta_updates_the_residual_stream_first(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(33, 576, generator=gen).to(dtype)
+    delta = torch.randn(33, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype) + 0.5
+    stream = x.clone()
+
+    out = cpu_fused.rms_norm(stream, weight, 1e-6, residual_delta=delta)
+
+    assert torch.equal(stream, x + delta)  # the stream itself is updated in place
+    assert_close(out, _torch_rms_norm(x + delta, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64, 257])
+def test_silu_mul_matches_the_torch_form(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    # Gate values far into both tails, where a poor exp would saturate wrongly.
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 12).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+
+    out = cpu_fused.silu_mul(gate_up)
+
+    assert out.shape == (rows, 1536)
+    assert_close(out, F.silu(gate) * up, dtype)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="rms_norm"):
+        cpu_fused.rms_norm(torch.randn(4, 8), torch.ones(9), 1e-5)
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_fused.silu_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_fused.silu_mul(torch.randn(4, 8).half())
