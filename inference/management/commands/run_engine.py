@@ -14,7 +14,6 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from engine.allocator import with_tcmalloc
 from engine.rules import ENGINE_SETTING_DEFAULTS, ENGINE_SETTING_FLAGS, ENGINE_SETTING_SWITCHES
 from inference.selectors import deployment_get_enabled
 
@@ -69,8 +68,7 @@ def engine_env() -> dict[str, str]:
     env["REDIS_URL"] = settings.REDIS_URL
     # `-m engine.serve` must import from this project wherever manage.py was started from.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(settings.BASE_DIR), env.get("PYTHONPATH", "")) if p)
-    # CPU forwards run twice as fast under tcmalloc (engine.allocator); set before the exec.
-    return with_tcmalloc(env)
+    return env
 
 
 class Command(BaseCommand):
