@@ -216,7 +216,8 @@ def run_side(system: str, dtype: str, spec_path: Path, args: argparse.Namespace)
         str(Path(__file__).resolve()),
         *("--worker", system, "--dtype", dtype, "--spec", str(spec_path), "--out", str(out_path)),
     ]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT)
+    # Their logs go to stderr: stdout ends with this run's JSON line alone.
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=sys.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{system} {dtype} failed with exit code {proc.returncode}")
     return json.loads(out_path.read_text())

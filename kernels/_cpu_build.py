@@ -48,8 +48,13 @@ def _cpu_signature() -> str:
 
 def _build(name: str, compiler: str) -> Path:
     source = SOURCES / f"{name}.c"
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature().encode()
+        source.read_bytes()
+        + headers
+        + " ".join(FLAGS).encode()
+        + compiler.encode()
+        + _cpu_signature().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
     if out.exists():

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 static inline float bf16_to_float(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
     float f;
@@ -40,24 +42,19 @@ static inline void store(void *p, int64_t i, float v, int is_bf16) {
         ((float *)p)[i] = v;
 }
 
-/* exp(x) to about 2e-7 relative error, vectorizable: Cody-Waite reduction and a degree-6
- * polynomial; saturates to 0 below -87 and to exp(88) above 88. */
-static inline float fast_exp(float x) {
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = __builtin_floorf(xc * log2e + 0.5f);
-    float r = xc - n * ln2_hi - n * ln2_lo;
-    float p = 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -87.0f ? 0.0f : p * scale;
+/* silu(g) * u over one row of width floats. */
+static inline void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t width) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= width; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < width; i++) o[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
 }
 
 void rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t dim,
@@ -105,9 +102,7 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int i
         if (!is_bf16) {
             const float *g = (const float *)gate_up + r * 2 * width;
             const float *u = g + width;
-            float *o = (float *)out + r * width;
-#pragma omp simd
-            for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+            silu_mul_row_f32(g, u, (float *)out + r * width, width);
         } else {
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width;
             const uint16_t *u = g + width;
@@ -115,7 +110,7 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int i
             for (int64_t i = 0; i < width; i++) {
                 float gv = bf16_to_float(g[i]);
                 /* silu rounded to bfloat16 before the product, as the eager ops round it. */
-                float s = bf16_to_float(float_to_bf16(gv / (1.0f + fast_exp(-gv))));
+                float s = bf16_to_float(float_to_bf16(gv / (1.0f + exp_scalar(-gv))));
                 o[i] = float_to_bf16(s * bf16_to_float(u[i]));
             }
         }

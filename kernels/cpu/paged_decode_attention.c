@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
@@ -35,25 +37,33 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* exp(x) for x <= 0 (a softmax's shifted scores), written so the compiler vectorizes it: Cody-Waite
- * range reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial (relative error about 2e-7), then
- * the power of two put into the exponent bits. Below -87 it returns 0. */
-static inline float exp_nonpositive(float x) {
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float xc = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(xc * log2e + 0.5f);
-    float r = xc - n * ln2_hi - n * ln2_lo;
-    float p = 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -87.0f ? 0.0f : p * scale;
+/* In place over n scores: x = exp(x - max(x)); returns their sum. */
+static inline float softmax_numerators(float *x, int n) {
+    float m = -INFINITY;
+    int t = 0;
+#ifdef __AVX512F__
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + t));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    float total = 0.0f;
+    t = 0;
+#ifdef __AVX512F__
+    __m512 mm = _mm512_set1_ps(m), acc = _mm512_setzero_ps();
+    for (; t + 16 <= n; t += 16) {
+        __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + t), mm));
+        _mm512_storeu_ps(x + t, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#endif
+    for (; t < n; t++) {
+        float e = exp_scalar(x[t] - m);
+        x[t] = e;
+        total += e;
+    }
+    return total;
 }
 
 /* One sequence, every head: each block's K (then V) rows are read front to back, all KV heads of a
@@ -109,17 +119,7 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
     for (int h = 0; h < num_heads; h++) {
         float *sh = scores + (int64_t)h * seq_len;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int t = 0; t < seq_len; t++) m = sh[t] > m ? sh[t] : m;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int t = 0; t < seq_len; t++) {
-            float e = exp_nonpositive(sh[t] - m);
-            sh[t] = e;
-            total += e;
-        }
-        float inv = 1.0f / total;
+        float inv = 1.0f / softmax_numerators(sh, seq_len);
 #pragma omp simd
         for (int t = 0; t < seq_len; t++) sh[t] *= inv;
     }
