@@ -3,6 +3,9 @@
 - ``rms_norm(x, weight, eps, residual_delta=None)``: with a delta, x += delta in place first (the
   decoder layer's residual update), then weight * x / rms(x), one pass over each row.
 - ``silu_mul(gate_up)``: silu(gate) * up of a fused gate|up projection, written at half its width.
+- ``rope_and_store_kv(qkv, ...)``: the rotary embedding of q and k in place in the fused q|k|v
+  projection, bit for bit as engine.models.llama.apply_rope_signed, and each token's k and v
+  written into the paged caches (engine.attention.torch_backend.store_kv), in one pass.
 
 The plain-torch forms they replace are the references (engine.models.llama's RMSNorm and MLP);
 `available()` is False where the library cannot be built, and callers keep to those forms.
@@ -34,6 +37,23 @@ _SIGNATURES = {
     "silu_mul": (
         None,
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int],
+    ),
+    "rope_and_store_kv": (
+        ctypes.c_int,
+        [
+            ctypes.c_void_p,  # qkv (rotated in place)
+            ctypes.c_void_p,  # cos
+            ctypes.c_void_p,  # sin_signed
+            ctypes.c_void_p,  # slots (int64)
+            ctypes.c_void_p,  # k_cache
+            ctypes.c_void_p,  # v_cache
+            ctypes.c_int64,  # tokens
+            ctypes.c_int,  # num_heads
+            ctypes.c_int,  # num_kv_heads
+            ctypes.c_int,  # head_dim
+            ctypes.c_int,  # is_bf16
+            ctypes.c_int,  # num_threads
+        ],
     ),
 }
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -103,3 +123,48 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (rows, 2 * width) -> (ro
         torch.get_num_threads(),
     )
     return out
+
+
+def rope_and_store_kv(
+    qkv: torch.Tensor,  # (tokens, (num_heads + 2 * num_kv_heads) * head_dim), rotated in place
+    cos: torch.Tensor,  # (tokens, head_dim)
+    sin_signed: torch.Tensor,  # (tokens, head_dim): sin with its first half negated
+    slot_mapping: torch.Tensor,  # (tokens,) int64
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU fused kernels are not available")
+    tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if (
+        not supports(qkv)
+        or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
+        or cos.shape != (tokens, head_dim)
+        or sin_signed.shape != cos.shape
+        or not (cos.is_contiguous() and sin_signed.is_contiguous())
+        or {cos.dtype, sin_signed.dtype, k_cache.dtype, v_cache.dtype} != {qkv.dtype}
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape)
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.shape != (tokens,)
+    ):
+        raise ValueError(f"rope_and_store_kv: unsupported inputs (qkv {tuple(qkv.shape)} {qkv.dtype})")
+    slot_mapping = slot_mapping.contiguous()
+    status = lib.rope_and_store_kv(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin_signed.data_ptr(),
+        slot_mapping.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        int(qkv.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"rope_and_store_kv: head_dim {head_dim} is beyond the kernel's limit (512, even)")

@@ -23,6 +23,7 @@ _SIGNATURES = {
         ctypes.c_int,
         [
             ctypes.c_void_p,  # q
+            ctypes.c_int64,  # q_stride
             ctypes.c_void_p,  # k_cache
             ctypes.c_void_p,  # v_cache
             ctypes.c_int,  # is_bf16
@@ -64,7 +65,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_attention_cpu(
-    q: torch.Tensor,  # (num_rows, num_heads, head_dim)
+    q: torch.Tensor,  # (num_rows, num_heads, head_dim), each row contiguous
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
@@ -79,8 +80,10 @@ def paged_decode_attention_cpu(
         raise RuntimeError("the CPU decode attention kernel is not available")
     if not supports(q, k_cache):
         raise ValueError(f"unsupported decode attention: q {tuple(q.shape)} {q.dtype}, cache {k_cache.dtype}")
-    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("q, k_cache and v_cache must be contiguous")
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        raise ValueError("q's heads must be contiguous within a row (rows may be apart)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must match")
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
@@ -97,13 +100,14 @@ def paged_decode_attention_cpu(
         if rows.shape[0] != num_seqs:
             raise ValueError("rows must name one row per sequence")
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("out must be contiguous and shaped like q")
     if num_seqs == 0:
         return out
     status = lib.paged_decode_attention(
         q.data_ptr(),
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         int(q.dtype == torch.bfloat16),

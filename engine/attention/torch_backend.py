@@ -184,6 +184,11 @@ def plan_step(
     return _StepPlan(decodes, chunks)
 
 
+def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """q itself when each row's heads are contiguous (rows may be apart), else a contiguous copy."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -213,22 +218,32 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        """``kv_stored``: the caller already wrote k and v into the caches (a fused CPU pass)."""
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         kernel = self._decode_kernel(q, k_cache)
         if kernel and metadata.is_pure_decode:
             return cpu_kernel.paged_decode_attention_cpu(
-                q.contiguous(), k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale
+                _heads_contiguous(q), k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale
             )
         plan = self._step_plan(metadata, k_cache.shape[1], q.dtype, q.device, kernel)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decode(q, k_cache, v_cache, plan.decodes[0], scale)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.kernel_decodes is not None:
             d = plan.kernel_decodes
-            q = q.contiguous()
             cpu_kernel.paged_decode_attention_cpu(
-                q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, rows=d.rows, out=out
+                _heads_contiguous(q),
+                k_cache,
+                v_cache,
+                d.block_tables,
+                d.seq_lens,
+                scale,
+                rows=d.rows,
+                out=out,
             )
         for decode in plan.decodes:
             rows = decode.rows

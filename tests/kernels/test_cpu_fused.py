@@ -67,3 +67,39 @@ def test_bad_inputs_are_refused():
         cpu_fused.silu_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="silu_mul"):
         cpu_fused.silu_mul(torch.randn(4, 8).half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_rope_and_store_kv_equals_the_eager_rotation_and_store_bit_for_bit(
+    dtype, num_heads, num_kv_heads, head_dim
+):
+    from engine.attention.torch_backend import store_kv
+    from engine.models.llama import apply_rope_signed
+
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, q_size, kv_size = 37, num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 50
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    caches = [torch.zeros(8, 16, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+
+    # the eager form: rotate q and k together, then store k and v
+    qk = apply_rope_signed(qkv[:, : q_size + kv_size].reshape(tokens, -1, head_dim), cos, sin)
+    expected_q = qk[:, :num_heads]
+    store_kv(
+        qk[:, num_heads:],
+        qkv[:, q_size + kv_size :].reshape(tokens, -1, head_dim),
+        caches[0],
+        caches[1],
+        slots,
+    )
+
+    fused = qkv.clone()
+    cpu_fused.rope_and_store_kv(fused, cos, sin, slots, caches[2], caches[3], num_heads)
+
+    assert torch.equal(fused[:, :q_size].view(tokens, num_heads, head_dim), expected_q)
+    assert torch.equal(caches[2], caches[0])
+    assert torch.equal(caches[3], caches[1])
