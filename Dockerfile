@@ -6,7 +6,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
 WORKDIR /app
 
 RUN apt-get update \
- && apt-get install -y --no-install-recommends build-essential libpq5 curl \
+ && apt-get install -y --no-install-recommends build-essential libpq5 libtcmalloc-minimal4 curl \
  && rm -rf /var/lib/apt/lists/*
 
 COPY requirements.txt ./

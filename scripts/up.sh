@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+scripts/system_packages.sh
 mkdir -p var
 [ -f .env ] && set -a && . ./.env && set +a
 

@@ -94,8 +94,10 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> tor
     name = cfg.torch_dtype if requested == "auto" else requested
     if name not in ("float32", "bfloat16", "float16"):
         name = "float32"
-    # Half-precision matmuls on CPU are slow and, for float16, lossy; auto keeps CPU in float32.
-    if requested == "auto" and device.type == "cpu" and name == "float16":
+    # On CPU, auto means float32 whatever the checkpoint holds: float16 matmuls are slow and lossy
+    # there, and bfloat16 ones without AMX are slower than float32 (bench/vs_vllm.py on SmolLM2:
+    # 161 output tokens/s in bfloat16 against 240 in float32; vLLM's CPU build 196 against 237).
+    if requested == "auto" and device.type == "cpu" and name in ("float16", "bfloat16"):
         name = "float32"
     return getattr(torch, name)
 

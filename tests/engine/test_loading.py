@@ -273,3 +273,16 @@ def test_a_kv_budget_below_one_block_is_refused(tiny_llama_dir: Path) -> None:
 
     with pytest.raises(ConfigError, match="does not fit a single block"):
         LLM(str(tiny_llama_dir), kv_cache_memory_bytes=1000)
+
+
+def test_auto_dtype_on_cpu_is_float32_whatever_the_checkpoint_holds():
+    from types import SimpleNamespace
+
+    from engine.models.loader import resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for held in ("bfloat16", "float16", "float32"):
+        assert resolve_dtype("auto", SimpleNamespace(torch_dtype=held), cpu) == torch.float32
+    # an explicit choice is kept, and a GPU keeps the checkpoint's dtype
+    assert resolve_dtype("bfloat16", SimpleNamespace(torch_dtype="float32"), cpu) == torch.bfloat16
+    assert resolve_dtype("auto", SimpleNamespace(torch_dtype="bfloat16"), cuda) == torch.bfloat16
