@@ -57,6 +57,7 @@ _SIGNATURES = {
     ),
 }
 _DTYPES = (torch.float32, torch.bfloat16)
+MAX_ROW = 16384  # widest row (hidden or intermediate size) the kernels' per-row scratch holds
 
 
 def _load() -> ctypes.CDLL | None:
@@ -68,7 +69,13 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.is_contiguous()
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _DTYPES
+        and x.dim() == 2
+        and x.is_contiguous()
+        and x.shape[1] <= 2 * MAX_ROW
+    )
 
 
 def rms_norm(

@@ -154,7 +154,14 @@ class LlamaForCausalLM(nn.Module):
         if self._fused_device == device:
             return
         self._fused_device = device
-        on = device.type == "cpu" and self.config_dtype_supported() and cpu_fused.available()
+        cfg = self.config
+        on = (
+            device.type == "cpu"
+            and self.config_dtype_supported()
+            and max(cfg.hidden_size, cfg.intermediate_size) <= cpu_fused.MAX_ROW
+            and cfg.head_dim <= 512
+            and cpu_fused.available()
+        )
         for module in self.modules():
             if isinstance(module, RMSNorm | LlamaMLP):
                 module.fused = on

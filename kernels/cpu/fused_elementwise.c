@@ -14,35 +14,21 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec_exp.h"
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+/* In place: each value rounded to bfloat16 (kept as float32). */
+static inline void round_row_bf16(float *v, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, bf16x16_round(_mm512_loadu_ps(v + i)));
+#endif
+    for (; i < n; i++) v[i] = round_bf16(v[i]);
 }
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#define MAX_ROW 16384 /* floats of per-row scratch on a thread's stack */
 
-static inline float load(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void store(void *p, int64_t i, float v, int is_bf16) {
-    if (is_bf16)
-        ((uint16_t *)p)[i] = float_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
-/* silu(g) * u over one row of width floats. */
+/* silu(g) * u over one row of width floats (u == NULL: silu(g) alone). */
 static inline void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t width) {
     int64_t i = 0;
 #ifdef __AVX512F__
@@ -51,10 +37,10 @@ static inline void silu_mul_row_f32(const float *g, const float *u, float *o, in
         __m512 gv = _mm512_loadu_ps(g + i);
         __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        _mm512_storeu_ps(o + i, u ? _mm512_mul_ps(s, _mm512_loadu_ps(u + i)) : s);
     }
 #endif
-    for (; i < width; i++) o[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
+    for (; i < width; i++) o[i] = g[i] / (1.0f + exp_scalar(-g[i])) * (u ? u[i] : 1.0f);
 }
 
 void rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t dim,
@@ -78,20 +64,27 @@ void rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
         } else {
+            float xf[MAX_ROW], tmp[MAX_ROW];
+            uint16_t *xr = (uint16_t *)x + base;
+            bf16_row_to_float(xr, xf, dim);
             if (delta) {
-                for (int64_t i = 0; i < dim; i++)
-                    store(x, base + i, load(x, base + i, 1) + load(delta, base + i, 1), 1);
+                bf16_row_to_float((const uint16_t *)delta + base, tmp, dim);
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) xf[i] += tmp[i];
+                round_row_bf16(xf, dim);
+                float_row_to_bf16(xf, xr, dim);
             }
-            for (int64_t i = 0; i < dim; i++) {
-                float v = load(x, base + i, 1);
-                sum += v * v;
-            }
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; i++) sum += xf[i] * xf[i];
             float inv = 1.0f / sqrtf(sum / (float)dim + eps);
             /* As the reference: the normalised row is rounded to bfloat16 before the weight. */
-            for (int64_t i = 0; i < dim; i++) {
-                float normed = bf16_to_float(float_to_bf16(load(x, base + i, 1) * inv));
-                store(out, base + i, load(weight, i, 1) * normed, 1);
-            }
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) xf[i] *= inv;
+            round_row_bf16(xf, dim);
+            bf16_row_to_float((const uint16_t *)weight, tmp, dim);
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) xf[i] *= tmp[i];
+            float_row_to_bf16(xf, (uint16_t *)out + base, dim);
         }
     }
 }
@@ -104,15 +97,15 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int i
             const float *u = g + width;
             silu_mul_row_f32(g, u, (float *)out + r * width, width);
         } else {
+            float gf[MAX_ROW], uf[MAX_ROW];
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width;
-            const uint16_t *u = g + width;
-            uint16_t *o = (uint16_t *)out + r * width;
-            for (int64_t i = 0; i < width; i++) {
-                float gv = bf16_to_float(g[i]);
-                /* silu rounded to bfloat16 before the product, as the eager ops round it. */
-                float s = bf16_to_float(float_to_bf16(gv / (1.0f + exp_scalar(-gv))));
-                o[i] = float_to_bf16(s * bf16_to_float(u[i]));
-            }
+            bf16_row_to_float(g, gf, width);
+            bf16_row_to_float(g + width, uf, width);
+            silu_mul_row_f32(gf, NULL, gf, width);
+            round_row_bf16(gf, width); /* silu rounded to bfloat16 before the product, as eager */
+#pragma omp simd
+            for (int64_t i = 0; i < width; i++) gf[i] *= uf[i];
+            float_row_to_bf16(gf, (uint16_t *)out + r * width, width);
         }
     }
 }
@@ -133,16 +126,21 @@ __attribute__((optimize("fp-contract=off"))) static void rope_row_f32(float *x, 
     }
 }
 
-__attribute__((optimize("fp-contract=off"))) static void rope_row_bf16(uint16_t *x, const uint16_t *cos,
-                                                                         const uint16_t *sin_signed, int dim) {
-    float tmp[512];
+/* The same in bfloat16: each product and the sum rounded to bfloat16, as the eager ops round them.
+ * cos and sin_signed arrive as float32 rows. */
+__attribute__((optimize("fp-contract=off"))) static void rope_row_bf16(uint16_t *x, const float *cos,
+                                                                         const float *sin_signed, int dim) {
+    float xf[512], a[512], b[512];
     int half = dim / 2;
-    for (int i = 0; i < dim; i++) tmp[i] = bf16_to_float(x[i]);
+    bf16_row_to_float(x, xf, dim);
     for (int i = 0; i < dim; i++) {
-        float a = bf16_to_float(float_to_bf16(tmp[i] * bf16_to_float(cos[i])));
-        float b = bf16_to_float(float_to_bf16(tmp[i < half ? i + half : i - half] * bf16_to_float(sin_signed[i])));
-        x[i] = float_to_bf16(a + b);
+        a[i] = xf[i] * cos[i];
+        b[i] = xf[i < half ? i + half : i - half] * sin_signed[i];
     }
+    round_row_bf16(a, dim);
+    round_row_bf16(b, dim);
+    for (int i = 0; i < dim; i++) a[i] += b[i];
+    float_row_to_bf16(a, x, dim);
 }
 
 /*
@@ -163,10 +161,15 @@ int rope_and_store_kv(void *qkv, const void *cos, const void *sin_signed, const 
         char *row = (char *)qkv + t * width * elem;
         const char *c = (const char *)cos + t * head_dim * elem;
         const char *s = (const char *)sin_signed + t * head_dim * elem;
+        float cf[512], sf[512];
+        if (is_bf16) {
+            bf16_row_to_float((const uint16_t *)c, cf, head_dim);
+            bf16_row_to_float((const uint16_t *)s, sf, head_dim);
+        }
         for (int h = 0; h < num_heads + num_kv_heads; h++) {
             char *x = row + (int64_t)h * head_dim * elem;
             if (is_bf16)
-                rope_row_bf16((uint16_t *)x, (const uint16_t *)c, (const uint16_t *)s, head_dim);
+                rope_row_bf16((uint16_t *)x, cf, sf, head_dim);
             else
                 rope_row_f32((float *)x, (const float *)c, (const float *)s, head_dim);
         }

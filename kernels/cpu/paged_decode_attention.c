@@ -20,23 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec_exp.h"
 
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* In place over n scores: x = exp(x - max(x)); returns their sum. */
 static inline float softmax_numerators(float *x, int n) {
@@ -81,9 +67,12 @@ static inline __attribute__((always_inline)) void attend_seq(
     const int64_t q_off = row * num_heads * head_dim, q_in = row * q_stride;
     const int64_t elem = is_bf16 ? 2 : 4;
     const int64_t row_bytes = token_stride * elem;
+    if (is_bf16)
+        bf16_row_to_float((const uint16_t *)q + q_in, qf, (int64_t)num_heads * head_dim);
+    else
+        memcpy(qf, (const float *)q + q_in, (size_t)num_heads * head_dim * sizeof(float));
     for (int i = 0; i < num_heads * head_dim; i++) {
-        float x = is_bf16 ? bf16_to_float(((const uint16_t *)q)[q_in + i]) : ((const float *)q)[q_in + i];
-        qf[i] = x * scale;
+        qf[i] *= scale;
         acc[i] = 0.0f;
     }
     for (int b = 0; b < num_blocks; b++) {
@@ -101,9 +90,7 @@ static inline __attribute__((always_inline)) void attend_seq(
                     __builtin_prefetch(next + (int64_t)j * row_bytes + off, 0, 3);
             const float *kr;
             if (is_bf16) {
-                const uint16_t *src = (const uint16_t *)k_cache + first + (int64_t)j * token_stride;
-#pragma omp simd
-                for (int e = 0; e < token_stride; e++) rowbuf[e] = bf16_to_float(src[e]);
+                bf16_row_to_float((const uint16_t *)k_cache + first + (int64_t)j * token_stride, rowbuf, token_stride);
                 kr = rowbuf;
             } else {
                 kr = (const float *)k_cache + first + (int64_t)j * token_stride;
@@ -139,9 +126,7 @@ static inline __attribute__((always_inline)) void attend_seq(
                     __builtin_prefetch(next + (int64_t)j * row_bytes + off, 0, 3);
             const float *vr;
             if (is_bf16) {
-                const uint16_t *src = (const uint16_t *)v_cache + first + (int64_t)j * token_stride;
-#pragma omp simd
-                for (int e = 0; e < token_stride; e++) rowbuf[e] = bf16_to_float(src[e]);
+                bf16_row_to_float((const uint16_t *)v_cache + first + (int64_t)j * token_stride, rowbuf, token_stride);
                 vr = rowbuf;
             } else {
                 vr = (const float *)v_cache + first + (int64_t)j * token_stride;
@@ -156,8 +141,7 @@ static inline __attribute__((always_inline)) void attend_seq(
         }
     }
     if (is_bf16) {
-        uint16_t *dst = (uint16_t *)out + q_off;
-        for (int i = 0; i < num_heads * head_dim; i++) dst[i] = float_to_bf16(acc[i]);
+        float_row_to_bf16(acc, (uint16_t *)out + q_off, (int64_t)num_heads * head_dim);
     } else {
         memcpy((float *)out + q_off, acc, (size_t)num_heads * head_dim * sizeof(float));
     }

@@ -36,12 +36,12 @@ def bfloat16_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("bf16"), arch="llama", size="tiny", seed=3, dtype="bfloat16")
 
 
-def _max_logit_error(llm: LLM, model_dir: Path) -> float:
+def _max_logit_error(llm: LLM, model_dir: Path, lengths: tuple[int, ...] = (30, 7)) -> float:
     """Largest |engine - transformers float32| over every logit the engine computed."""
     from transformers import AutoModelForCausalLM
 
     rec = Recorder(llm)
-    llm.generate(_prompts([30, 7], seed=1), _greedy(5))
+    llm.generate(_prompts(list(lengths), seed=1), _greedy(5))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     worst = 0.0
     for items, hidden in rec.steps:
@@ -75,9 +75,20 @@ def test_float16_on_request_keeps_logits_within_its_tolerance(float16_qwen2_dir:
 
 
 def test_bfloat16_keeps_logits_within_its_tolerance(bfloat16_llama_dir: Path) -> None:
-    llm = LLM(str(bfloat16_llama_dir), num_blocks=16, max_num_batched_tokens=16)
+    llm = LLM(str(bfloat16_llama_dir), num_blocks=16, max_num_batched_tokens=16, dtype="bfloat16")
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert _max_logit_error(llm, bfloat16_llama_dir) < BFLOAT16_ATOL
+
+
+def test_bfloat16_prefill_chunks_multiplied_in_float32_keep_logits_within_its_tolerance(
+    bfloat16_llama_dir: Path,
+) -> None:
+    # given chunks wider than the rows at which bfloat16 linears on CPU switch to float32 GEMMs
+    llm = LLM(str(bfloat16_llama_dir), num_blocks=64, max_num_batched_tokens=512, dtype="bfloat16")
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert 300 >= type(qkv).FLOAT32_MIN_ROWS
+    # then the logits of the 300-token prefill and the decodes after it stay within tolerance
+    assert _max_logit_error(llm, bfloat16_llama_dir, lengths=(300, 7)) < BFLOAT16_ATOL
 
 
 # -- configs as published checkpoints write them --------------------------------------------------
@@ -264,7 +275,7 @@ def test_on_cpu_the_kv_pool_is_sized_from_the_configured_memory_budget(
     llm = LLM(str(tiny_llama_dir), kv_cache_memory_bytes=12 * per_block + per_block // 2)
     assert llm.engine.get_stats()["num_total_blocks"] == 12
     # Half the bytes per element, twice the blocks from the same budget.
-    half = LLM(str(bfloat16_llama_dir), kv_cache_memory_bytes=12 * per_block)
+    half = LLM(str(bfloat16_llama_dir), kv_cache_memory_bytes=12 * per_block, dtype="bfloat16")
     assert half.engine.get_stats()["num_total_blocks"] == 24
 
 

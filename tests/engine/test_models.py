@@ -151,7 +151,7 @@ def test_tied_embeddings_share_the_input_matrix_and_match_transformers(tmp_path:
 
 def test_bfloat16_checkpoint_loads_and_generates(tmp_path: Path) -> None:
     model_dir = make_model(tmp_path / "bf16", arch="llama", size="tiny", seed=0, dtype="bfloat16")
-    llm = LLM(str(model_dir), num_blocks=32)
+    llm = LLM(str(model_dir), num_blocks=32, dtype="bfloat16")
     assert llm.engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     out = llm.generate([[0, 100, 200, 300]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[
