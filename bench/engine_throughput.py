@@ -75,10 +75,14 @@ def run_engine(model_dir: Path, reqs: list[Request], args: argparse.Namespace) -
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_mib * 1024**2,
     )
+    from engine.step_profile import StepProfile
+
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    profile = llm.engine.profile = StepProfile()
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params)
     elapsed = time.perf_counter() - start
+    log(f"engine step profile:\n{profile.table()}")
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     return elapsed, produced, llm.engine.num_steps
 
@@ -104,6 +108,9 @@ def main() -> None:
         help="SmolLM2-135M-Instruct on prompts of real text (fetched once)",
     )
     args = parser.parse_args()
+    from engine.allocator import reexec_with_tcmalloc
+
+    reexec_with_tcmalloc(sys.argv)  # as an engine process runs (engine.allocator)
     torch.set_num_threads(args.threads)
     model_dir = real_model_dir() if args.real_model else (args.model_dir or bench_model_dir(size=args.size))
     reqs = workload(args.num_requests, args.seed, model_dir, real_text=args.real_model)
