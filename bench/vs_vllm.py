@@ -5,8 +5,10 @@ Both engines run the same real model (SmolLM2-135M-Instruct) with the same threa
 virtualenv, vLLM from a virtualenv of its own (``--vllm-python``; vLLM is never a dependency of the
 project). Per dtype (float32 and bfloat16) each side reports:
 
-- throughput: one seeded workload of real text (64 requests, prompts 32-512 tokens, outputs
-  16-256 tokens, greedy, EOS ignored) through the offline ``LLM.generate``: output tokens/s;
+- throughput: seeded workloads of real text (64 requests, prompts 32-512 tokens, outputs 16-256
+  tokens, greedy, EOS ignored) through the offline ``LLM.generate``: output tokens/s. Both engines
+  stay loaded and take rounds in turn (three by default, a fresh workload each, the order flipped
+  every round), and the medians are compared: this shared machine has slow spells of minutes;
 - agreement: whether the greedy token ids of every request match the other engine's;
 - time to first token at low load: single 128-token prompts sent one at a time (``max_tokens=1``);
 - prefix cache: the same with a 1,024-token prefix, cold (every prefix new) and warm (the prefix
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,7 +55,12 @@ from engine.allocator import tcmalloc_path  # noqa: E402
 def build_spec(model_dir: Path, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     source = PromptSource(model_dir, rng, real_text=True)
-    requests = [(source.take(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(args.num_requests)]
+    # One workload per throughput round, drawn alike: a round never finds the previous one's
+    # prompts in the prefix cache.
+    rounds = [
+        [(source.take(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(args.num_requests)]
+        for _ in range(args.rounds)
+    ]
     low_load = [source.take(128) for _ in range(args.num_ttft)]
     shared = source.take(1024)
     return {
@@ -62,7 +70,7 @@ def build_spec(model_dir: Path, args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": 2048,
         "kv_cache_gib": args.kv_cache_gib,
-        "requests": requests,
+        "rounds": rounds,
         "low_load": low_load,
         "prefix_cold": [source.take(1024) + source.take(32) for _ in range(args.num_ttft)],
         "prefix_warm_seed": shared + source.take(32),
@@ -142,85 +150,116 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"p50_ms": round(percentile(values, 50), 1), "p99_ms": round(percentile(values, 99), 1)}
 
 
-def worker(system: str, dtype: str, spec_path: Path, out_path: Path) -> None:
-    """Runs in the system's own virtualenv; writes its figures to out_path as JSON."""
+def worker(system: str, dtype: str, spec_path: Path, result_fd: int) -> None:
+    """Runs in the system's own virtualenv: loads the engine, then answers commands read from stdin
+    (``latency``, ``throughput R``, ``quit``) with one JSON line each on ``result_fd``, so that the
+    two engines can be stepped in turn while both stay loaded."""
     import torch
 
-    torch.set_num_threads(json.loads(spec_path.read_text())["threads"])
     spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(spec["threads"])
+    results = os.fdopen(result_fd, "w", buffering=1)
     start = time.perf_counter()
     side = PagodaSide(spec, dtype) if system == "pagoda" else VllmSide(spec, dtype)
     startup_s = time.perf_counter() - start
-    log(f"{system} {dtype}: started in {startup_s:.1f}s")
     side.generate([spec["low_load"][0][:16]], [side.params(4)])  # warm-up
-
-    ttft = _latencies(side, spec["low_load"])
-    cold = _latencies(side, spec["prefix_cold"])
-    side.generate([spec["prefix_warm_seed"]], [side.params(1)])
-    warm = _latencies(side, spec["prefix_warm"])
-    log(
-        f"{system} {dtype}: ttft p50 {percentile(ttft, 50):.0f} ms, cold {percentile(cold, 50):.0f} ms, "
-        f"warm {percentile(warm, 50):.0f} ms"
-    )
-
-    requests = spec["requests"]
-    profile = side.profile_on()
-    start = time.perf_counter()
-    outputs = side.generate([p for p, _ in requests], [side.params(n) for _, n in requests])
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o) for o in outputs)
-    log(f"{system} {dtype}: {produced} output tokens in {elapsed:.1f}s = {produced / elapsed:.1f} tok/s")
-    result = {
-        "system": system,
-        "dtype": dtype,
-        "startup_s": round(startup_s, 1),
-        "elapsed_s": round(elapsed, 2),
-        "output_tokens": produced,
-        "output_tok_s": round(produced / elapsed, 1),
-        "ttft_low_load": _summary(ttft),
-        "ttft_prefix_cold": _summary(cold),
-        "ttft_prefix_warm": _summary(warm),
-        "token_ids": outputs,
-    }
-    if profile is not None:
-        log(f"pagoda {dtype} step profile:\n{profile.table()}")
-        result["profile"] = profile.as_dict()
-    out_path.write_text(json.dumps(result))
+    log(f"{system} {dtype}: started in {startup_s:.1f}s")
+    results.write(json.dumps({"startup_s": round(startup_s, 1)}) + "\n")
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] == "quit":
+            break
+        if command[0] == "latency":
+            ttft = _latencies(side, spec["low_load"])
+            cold = _latencies(side, spec["prefix_cold"])
+            side.generate([spec["prefix_warm_seed"]], [side.params(1)])
+            warm = _latencies(side, spec["prefix_warm"])
+            log(
+                f"{system} {dtype}: ttft p50 {percentile(ttft, 50):.0f} ms, cold {percentile(cold, 50):.0f} ms,"
+                f" warm {percentile(warm, 50):.0f} ms"
+            )
+            result = {
+                "ttft_low_load": _summary(ttft),
+                "ttft_prefix_cold": _summary(cold),
+                "ttft_prefix_warm": _summary(warm),
+            }
+        else:  # throughput R: round R's workload
+            round_ = int(command[1])
+            requests = spec["rounds"][round_]
+            profile = side.profile_on()
+            start = time.perf_counter()
+            outputs = side.generate([p for p, _ in requests], [side.params(n) for _, n in requests])
+            elapsed = time.perf_counter() - start
+            produced = sum(len(o) for o in outputs)
+            log(
+                f"{system} {dtype} round {round_}: {produced} output tokens in {elapsed:.1f}s = {produced / elapsed:.1f} tok/s"
+            )
+            result = {
+                "elapsed_s": round(elapsed, 2),
+                "output_tok_s": round(produced / elapsed, 1),
+                "token_ids": outputs,
+            }
+            if profile is not None:
+                log(f"pagoda {dtype} step profile:\n{profile.table()}")
+                result["profile"] = profile.as_dict()
+        results.write(json.dumps(result) + "\n")
 
 
 # -- orchestration ----------------------------------------------------------------------------------
 
 
-def run_side(system: str, dtype: str, spec_path: Path, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    # Both engines run under tcmalloc (vLLM's CPU docs ask for it; Pagoda's engine processes preload
-    # it themselves, see engine.allocator); vLLM also gets the Intel OpenMP runtime its docs name.
-    preload = [p for p in (tcmalloc_path(),) if p]
-    if system == "vllm":
-        python = args.vllm_python
-        venv = Path(python).parent.parent
-        preload += [p for p in (str(venv / "lib" / "libiomp5.so"),) if Path(p).exists()]
-        env.update(
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
-            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-            VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
-            LD_PRELOAD=":".join(preload),
-            VLLM_LOGGING_LEVEL="WARNING",
-        )
-    else:
-        python = sys.executable
+class Worker:
+    """One engine in its own process, loaded once and driven command by command."""
+
+    def __init__(self, system: str, dtype: str, spec_path: Path, args: argparse.Namespace) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        # Both engines run under tcmalloc (vLLM's CPU docs ask for it; Pagoda's engine processes
+        # preload it themselves, see engine.allocator); vLLM also gets the Intel OpenMP runtime its
+        # docs name.
+        preload = [p for p in (tcmalloc_path(),) if p]
+        if system == "vllm":
+            python = args.vllm_python
+            venv = Path(python).parent.parent
+            preload += [p for p in (str(venv / "lib" / "libiomp5.so"),) if Path(p).exists()]
+            env.update(
+                VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
+                VLLM_LOGGING_LEVEL="WARNING",
+            )
+        else:
+            python = sys.executable
         env["LD_PRELOAD"] = ":".join(preload)
-    out_path = spec_path.with_name(f"{system}-{dtype}.json")
-    cmd = [
-        python,
-        str(Path(__file__).resolve()),
-        *("--worker", system, "--dtype", dtype, "--spec", str(spec_path), "--out", str(out_path)),
-    ]
-    # Their logs go to stderr: stdout ends with this run's JSON line alone.
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=sys.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"{system} {dtype} failed with exit code {proc.returncode}")
-    return json.loads(out_path.read_text())
+        self.name = f"{system} {dtype}"
+        read_fd, write_fd = os.pipe()
+        cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--dtype", dtype]
+        cmd += ["--spec", str(spec_path), "--result-fd", str(write_fd)]
+        # The engines' own logs go to stderr: stdout ends with this run's JSON line alone.
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=sys.stderr, text=True, pass_fds=(write_fd,)
+        )
+        os.close(write_fd)
+        self.results = os.fdopen(read_fd)
+        self.startup_s = self._read()["startup_s"]
+
+    def _read(self) -> dict:
+        line = self.results.readline()
+        if not line:
+            raise SystemExit(f"{self.name} exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, object]:
@@ -246,6 +285,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(Path.home() / ".cache/pagoda/vllm-venv/bin/python"))
     parser.add_argument("--skip-vllm", action="store_true", help="Pagoda alone (no ratios)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per engine, taken in turn")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--num-ttft", type=int, default=8, help="requests per time-to-first-token series")
     parser.add_argument("--threads", type=int, default=2)
@@ -256,10 +296,10 @@ def main() -> None:
     parser.add_argument("--worker", choices=("pagoda", "vllm"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.dtype, args.spec, args.out)
+        worker(args.worker, args.dtype, args.spec, args.result_fd)
         return
     if not args.skip_vllm and not Path(args.vllm_python).exists():
         raise SystemExit(
@@ -268,34 +308,59 @@ def main() -> None:
 
     model_dir = real_model_dir()
     spec = build_spec(model_dir, args)
+    first = spec["rounds"][0]
     result: dict[str, object] = {
         "bench": "vs_vllm",
         "model": model_dir.name,
         "threads": args.threads,
-        "num_requests": len(spec["requests"]),
-        "prompt_tokens": sum(len(p) for p, _ in spec["requests"]),
-        "output_tokens": sum(n for _, n in spec["requests"]),
+        "rounds": args.rounds,
+        "num_requests": len(first),
+        "prompt_tokens_per_round": [sum(len(p) for p, _ in r) for r in spec["rounds"]],
+        "output_tokens_per_round": [sum(n for _, n in r) for r in spec["rounds"]],
         "loadavg_before": os.getloadavg()[0],
     }
+    systems = ["pagoda"] if args.skip_vllm else ["pagoda", "vllm"]
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         for dtype in args.dtypes.split(","):
-            runs = {"pagoda": run_side("pagoda", dtype, spec_path, args)}
-            if not args.skip_vllm:
-                runs["vllm"] = run_side("vllm", dtype, spec_path, args)
-            ids = {k: v.pop("token_ids") for k, v in runs.items()}
-            entry: dict[str, object] = dict(runs)
+            workers = {s: Worker(s, dtype, spec_path, args) for s in systems}
+            try:
+                runs: dict[str, dict] = {s: {"startup_s": w.startup_s} for s, w in workers.items()}
+                for s, w in workers.items():
+                    runs[s].update(w.ask("latency"))
+                ids: dict[str, list] = {s: [] for s in systems}
+                rates: dict[str, list[float]] = {s: [] for s in systems}
+                for r in range(args.rounds):
+                    # Taken in turn, the order flipped every round: a slow spell of this shared
+                    # machine falls on both engines alike.
+                    for s in systems if r % 2 == 0 else systems[::-1]:
+                        out = workers[s].ask(f"throughput {r}")
+                        ids[s].extend(out.pop("token_ids"))
+                        rates[s].append(out["output_tok_s"])
+                        if "profile" in out:
+                            runs[s]["profile"] = out["profile"]
+            finally:
+                for w in workers.values():
+                    w.close()
+            entry: dict[str, object] = {}
+            for s in systems:
+                runs[s]["output_tok_s_by_round"] = rates[s]
+                runs[s]["output_tok_s"] = round(statistics.median(rates[s]), 1)
+                entry[s] = runs[s]
             if "vllm" in runs:
                 p, v = runs["pagoda"], runs["vllm"]
                 entry["agreement"] = agreement(ids["pagoda"], ids["vllm"])
                 entry["output_tok_s_ratio"] = round(p["output_tok_s"] / v["output_tok_s"], 3)
+                entry["output_tok_s_ratio_by_round"] = [
+                    round(a / b, 3) for a, b in zip(rates["pagoda"], rates["vllm"], strict=True)
+                ]
                 for key in ("ttft_low_load", "ttft_prefix_cold", "ttft_prefix_warm"):
                     entry[f"{key}_p50_ratio"] = round(p[key]["p50_ms"] / v[key]["p50_ms"], 3)
                 log(
-                    f"{dtype}: pagoda {p['output_tok_s']} vs vllm {v['output_tok_s']} tok/s = "
-                    f"{entry['output_tok_s_ratio']}x; identical outputs "
-                    f"{entry['agreement']['identical_requests']}/{entry['agreement']['requests']}"
+                    f"{dtype}: pagoda {p['output_tok_s']} vs vllm {v['output_tok_s']} tok/s (medians) = "
+                    f"{entry['output_tok_s_ratio']}x, by round {entry['output_tok_s_ratio_by_round']}; "
+                    f"identical outputs {entry['agreement']['identical_requests']}/{entry['agreement']['requests']}"
                 )
             result[dtype] = entry
     result["loadavg_after"] = os.getloadavg()[0]
