@@ -97,8 +97,8 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> tor
     if name not in ("float32", "bfloat16", "float16"):
         name = "float32"
     # On CPU, auto means float32 whatever the checkpoint holds: float16 matmuls are slow and lossy
-    # there, and bfloat16 ones without AMX are slower than float32 (bench/vs_vllm.py on SmolLM2:
-    # 161 output tokens/s in bfloat16 against 240 in float32; vLLM's CPU build 196 against 237).
+    # there, and bfloat16 ones without AMX run at about half the float32 rate, which makes whole runs
+    # slower in bfloat16 for this engine and for vLLM's CPU build alike (bench/RESULTS.md).
     if requested == "auto" and device.type == "cpu" and name in ("float16", "bfloat16"):
         name = "float32"
     return getattr(torch, name)
