@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -150,26 +151,24 @@ class _Bfloat16CpuLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def _wide_float32_matmuls(model: LlamaForCausalLM) -> None:
+def _decoder_linears(model: LlamaForCausalLM) -> Iterator[nn.Linear]:
     for layer in model.model.layers:
-        for linear in (
+        yield from (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
-        ):
-            linear.__class__ = _Bfloat16CpuLinear
+        )
+
+
+def _wide_float32_matmuls(model: LlamaForCausalLM) -> None:
+    for linear in _decoder_linears(model):
+        linear.__class__ = _Bfloat16CpuLinear
 
 
 def _column_major_linears(model: LlamaForCausalLM) -> None:
     """Store each decoder linear's weight (out, in) column-major: F.linear multiplies by its
     transpose, which is then a plain row-major (in, out) matrix, and MKL's sgemm runs its faster
     no-transpose kernel (decode steps about 5% faster on SmolLM2). Same values, same memory."""
-    for layer in model.model.layers:
-        for linear in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        ):
-            linear.weight.data = linear.weight.data.t().contiguous().t()
+    for linear in _decoder_linears(model):
+        linear.weight.data = linear.weight.data.t().contiguous().t()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernels import cpu_paged_decode_attention as cpu_kernel
-from kernels.reference import ref_paged_attention, ref_store_kvcache
-from tests.kernels.helpers import DTYPES, assert_close, make_paged_batch
+from kernels.reference import ref_store_kvcache
+from tests.kernels.helpers import DTYPES, assert_close, make_paged_batch, reference_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler on this machine")
 
@@ -36,15 +36,7 @@ def _decode_batch(seq_lens: list[int], *, group: int, dtype: torch.dtype, head_d
 def test_the_kernel_matches_the_reference_on_decode_rows(dtype, group, head_dim, seq_lens):
     # given decodes whose contexts end in partial blocks scattered over a shuffled pool
     batch = _decode_batch(seq_lens, group=group, dtype=dtype, head_dim=head_dim)
-    expected = ref_paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        0.125,
-    )
+    expected = reference_attention(batch, 0.125)
 
     # when the kernel attends in place over the paged cache
     out = cpu_kernel.paged_decode_attention_cpu(
@@ -63,15 +55,7 @@ def test_rows_place_each_sequence_in_its_own_row_and_leave_the_others():
     q = torch.randn(8, *batch.q.shape[1:])
     q[rows] = batch.q
     out = torch.full_like(q, 7.0)
-    expected = ref_paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        0.125,
-    )
+    expected = reference_attention(batch, 0.125)
 
     # when the kernel writes through rows
     cpu_kernel.paged_decode_attention_cpu(
