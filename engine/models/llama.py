@@ -148,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self._rope_table: torch.Tensor | None = None  # (2, num_positions, head_dim): cos, signed sin
         self._fused_device: torch.device | None = None
+        # oneDNN's packed copy of the logits weight for narrow batches, set by the loader on CPU.
+        self.packed_logits_weight: torch.Tensor | None = None
 
     def _use_fused(self, device: torch.device) -> None:
         """Norms and MLP activations take the C kernels on CPU where they could be built."""
@@ -213,5 +215,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, vocab_size), float32
+        packed = self.packed_logits_weight
+        if packed is not None and 0 < hidden.shape[0] <= 64:
+            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "").float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -297,3 +297,28 @@ def test_auto_dtype_on_cpu_is_float32_whatever_the_checkpoint_holds():
     # an explicit choice is kept, and a GPU keeps the checkpoint's dtype
     assert resolve_dtype("bfloat16", SimpleNamespace(torch_dtype="float32"), cpu) == torch.bfloat16
     assert resolve_dtype("auto", SimpleNamespace(torch_dtype="bfloat16"), cuda) == torch.bfloat16
+
+
+def test_on_cpu_decoder_linears_multiply_narrow_batches_by_a_packed_weight(tiny_llama_dir: Path) -> None:
+    from engine.models.loader import _CpuLinear
+
+    llm = LLM(str(tiny_llama_dir), num_blocks=16)
+    model = llm.engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, _CpuLinear) and qkv.packed is not None
+    assert model.packed_logits_weight is not None
+    logits_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    for rows in (1, 7, 64, 65, 300):  # packed up to 64 rows, MKL beyond
+        x = torch.randn(rows, qkv.in_features)
+        torch.testing.assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight), rtol=1e-5, atol=1e-5)
+        hidden = torch.randn(rows, model.config.hidden_size)
+        expected = torch.nn.functional.linear(hidden, logits_weight)
+        torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weight_copies_stay_within_their_memory_budget(tiny_llama_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGODA_CPU_PACKED_WEIGHTS", "0")
+    llm = LLM(str(tiny_llama_dir), num_blocks=16)
+    model = llm.engine.runner.model
+    assert model.model.layers[0].mlp.gate_up_proj.packed is None
+    assert model.packed_logits_weight is None
