@@ -19,6 +19,14 @@ from kernels import cpu_fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+# Batches up to this many rows multiply by oneDNN-packed weights on CPU (engine.models.loader).
+PACKED_MAX_ROWS = 64
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x times a weight that oneDNN packed for narrow batches (see engine.models.loader)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
 
 def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """The half-split rotation x * cos + rotate_half(x) * sin (transformers' form), bit for bit, in
@@ -159,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         on = (
             device.type == "cpu"
-            and self.config_dtype_supported()
+            and self.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
             and max(cfg.hidden_size, cfg.intermediate_size) <= cpu_fused.MAX_ROW
             and cfg.head_dim <= 512
             and cpu_fused.available()
@@ -170,9 +178,6 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, LlamaAttention):
                 # The store is the torch backend's first act; another backend keeps its own.
                 module.fused = on and isinstance(self.backend, TorchAttentionBackend)
-
-    def config_dtype_supported(self) -> bool:
-        return self.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
 
     @torch.inference_mode()
     def forward(
@@ -216,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, vocab_size), float32
         packed = self.packed_logits_weight
-        if packed is not None and 0 < hidden.shape[0] <= 64:
-            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "").float()
+        if packed is not None and 0 < hidden.shape[0] <= PACKED_MAX_ROWS:
+            return packed_linear(hidden, packed, None).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.models.config import ModelConfig, ModelLoadError, load_model_config
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import PACKED_MAX_ROWS, LlamaForCausalLM, packed_linear
 from engine.models.rope import rope_inv_freq
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$")
@@ -146,7 +146,7 @@ class _CpuLinear(nn.Linear):
       too, so only the order of the sums differs.
     """
 
-    PACKED_MAX_ROWS = 64
+    PACKED_MAX_ROWS = PACKED_MAX_ROWS
     FLOAT32_MIN_ROWS = 128
     packed: torch.Tensor | None = None
     wide_float32 = False
@@ -154,7 +154,7 @@ class _CpuLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else -1
         if self.packed is not None and 0 < rows <= self.PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.packed, self.bias)
         if self.wide_float32 and rows >= self.FLOAT32_MIN_ROWS:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
