@@ -20,7 +20,9 @@ from kernels import cpu_fused
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 # Batches up to this many rows multiply by oneDNN-packed weights on CPU (engine.models.loader).
-PACKED_MAX_ROWS = 64
+# The batch size oneDNN is told to pack linear weights for on CPU; the packed layout serves any
+# number of rows (see engine.models.loader).
+PACKED_HINT_ROWS = 64
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -158,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self._fused_device: torch.device | None = None
         # oneDNN's packed copy of the logits weight for narrow batches, set by the loader on CPU.
         self.packed_logits_weight: torch.Tensor | None = None
+        self.packed_max_rows = 0  # batches of up to this many rows use packed_logits_weight
 
     def _use_fused(self, device: torch.device) -> None:
         """Norms and MLP activations take the C kernels on CPU where they could be built."""
@@ -221,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, vocab_size), float32
         packed = self.packed_logits_weight
-        if packed is not None and 0 < hidden.shape[0] <= PACKED_MAX_ROWS:
+        if packed is not None and 0 < hidden.shape[0] <= self.packed_max_rows:
             return packed_linear(hidden, packed, None).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -299,7 +299,7 @@ def test_auto_dtype_on_cpu_is_float32_whatever_the_checkpoint_holds():
     assert resolve_dtype("auto", SimpleNamespace(torch_dtype="bfloat16"), cuda) == torch.bfloat16
 
 
-def test_on_cpu_decoder_linears_multiply_narrow_batches_by_a_packed_weight(tiny_llama_dir: Path) -> None:
+def test_on_cpu_float32_decoder_linears_multiply_every_batch_by_a_packed_weight(tiny_llama_dir: Path) -> None:
     from engine.models.loader import _CpuLinear
 
     llm = LLM(str(tiny_llama_dir), num_blocks=16)
@@ -307,8 +307,10 @@ def test_on_cpu_decoder_linears_multiply_narrow_batches_by_a_packed_weight(tiny_
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, _CpuLinear) and qkv.packed is not None
     assert model.packed_logits_weight is not None
+    # float32: packed at every width, prefill chunks included
+    assert qkv.packed_max_rows >= 2048 and model.packed_max_rows >= 2048
     logits_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    for rows in (1, 7, 64, 65, 300):  # packed up to 64 rows, MKL beyond
+    for rows in (1, 7, 64, 65, 300):
         x = torch.randn(rows, qkv.in_features)
         torch.testing.assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight), rtol=1e-5, atol=1e-5)
         hidden = torch.randn(rows, model.config.hidden_size)
