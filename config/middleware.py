@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from prometheus_client import Counter, Histogram
+from whitenoise.middleware import WhiteNoiseMiddleware
 
 from core.api.exceptions import error_for_status, error_response
 from core.request_ids import new_request_id
@@ -104,3 +105,40 @@ class ApiErrorShapeMiddleware(_SyncAndAsyncMiddleware):
         if not _is_api(request):
             return None
         return error_response(exception)
+
+
+class StaticFilesMiddleware(WhiteNoiseMiddleware):
+    """WhiteNoise, able to run in an async chain. WhiteNoise's own middleware is sync only, and one
+    sync middleware makes Django run the whole chain above it in a worker thread and hop back to
+    the event loop for the async views below: two thread switches on every API request. Here a
+    request for anything but a static file goes straight down the chain; a static file is served
+    from a thread, as WhiteNoise serves it."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response=None, settings=None) -> None:
+        from django.conf import settings as django_settings
+
+        settings = settings or django_settings
+        super().__init__(get_response, settings=settings)
+        # Files outside the static prefix (WHITENOISE_ROOT) are looked up for every path.
+        self.prefixed_only = not getattr(settings, "WHITENOISE_ROOT", None)
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self.__acall__(request)
+        return super().__call__(request)
+
+    async def __acall__(self, request):
+        if self.prefixed_only and not request.path_info.startswith(self.static_prefix):
+            return await self.get_response(request)
+        if self.autorefresh:
+            static_file = await sync_to_async(self.find_file)(request.path_info)
+        else:
+            static_file = self.files.get(request.path_info)
+        if static_file is not None:
+            return await sync_to_async(self.serve)(static_file, request)
+        return await self.get_response(request)

@@ -71,7 +71,7 @@ MIDDLEWARE = [
     "config.middleware.RequestMetricsMiddleware",
     "config.middleware.ApiErrorShapeMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "config.middleware.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
