@@ -5,6 +5,7 @@ Every call here is one round trip; the worker loop decides when to make it.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -27,6 +28,9 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 # Keep the idle clock at zero for entries this consumer still owns. Checking the owner and claiming
 # in one script matters: a plain XCLAIM would take back an entry another replica had already
 # reclaimed from us (after we stalled past the timeout), and both would then answer it.
+# Output streams whose TTL refresh is tracked before those untouched for a whole TTL are dropped.
+_EXPIRE_TRACKED_MAX = 4096
+
 _TOUCH_SCRIPT = """
 local owned = {}
 for i = 3, #ARGV do
@@ -93,6 +97,7 @@ class RequestQueue:
         self.stream = requests_stream(prefix, model)
         self.cancels = cancel_stream(prefix, model)
         self.output_ttl_s = output_ttl_s
+        self._expire_set_at: dict[str, float] = {}  # output stream -> when its TTL was last set
         self.heartbeat_ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
         self._touch = client.register_script(_TOUCH_SCRIPT)
         self._hand_back = client.register_script(_HAND_BACK_SCRIPT)
@@ -185,14 +190,26 @@ class RequestQueue:
         if not events and not acks:
             return
         pipe = self.client.pipeline(transaction=False)
-        streams: set[str] = set()
+        now = time.monotonic()
+        refresh_after = now - max(1.0, self.output_ttl_s / 4)
+        expire: set[str] = set()
         for request_id, event in events:
             key = output_stream(self.prefix, request_id)
             pipe.xadd(key, event.encode())
-            streams.add(key)
-        # Refreshed on every write, so a request that runs longer than the TTL keeps its stream.
-        for key in streams:
+            # The TTL is set on a stream's first entry and refreshed while it runs (a request
+            # longer than the TTL keeps its stream), not on every token; and on its last entry, so
+            # that a finished stream stays replayable for the whole TTL after its end.
+            if event.type != "delta":
+                self._expire_set_at.pop(key, None)
+                expire.add(key)
+            elif self._expire_set_at.get(key, -math.inf) < refresh_after:
+                self._expire_set_at[key] = now
+                expire.add(key)
+        for key in expire:
             pipe.expire(key, self.output_ttl_s)
+        if len(self._expire_set_at) > _EXPIRE_TRACKED_MAX:  # streams that ended without a last entry
+            stale = now - self.output_ttl_s
+            self._expire_set_at = {k: t for k, t in self._expire_set_at.items() if t >= stale}
         if acks:
             pipe.xack(self.stream, CONSUMER_GROUP, *acks)
         pipe.execute()

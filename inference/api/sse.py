@@ -6,12 +6,12 @@ A failure after the stream began cannot change the status line any more: it is r
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from django.http import StreamingHttpResponse
 
 from core.errors import PlatformError
@@ -23,7 +23,21 @@ DONE = b"data: [DONE]\n\n"
 
 
 def _data(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+class _ChoiceFrames:
+    """SSE events of one-choice chunks: every field but the choice is the same in each chunk of a
+    stream, so it is serialised once and only the choice per token (same bytes as _data(chunk))."""
+
+    def __init__(self, plan) -> None:
+        constant = orjson.dumps(formatting.chunk(plan, []))
+        head, tail = constant.split(b'"choices":[]', 1)
+        self.head = b"data: " + head + b'"choices":['
+        self.tail = b"]" + tail + b"\n\n"
+
+    def __call__(self, choice: dict[str, Any]) -> bytes:
+        return self.head + orjson.dumps(choice) + self.tail
 
 
 def _choice(generation: Generation, item: ChoiceDelta | ChoiceFinished, offsets: dict[int, int]) -> dict:
@@ -50,6 +64,7 @@ def _choice(generation: Generation, item: ChoiceDelta | ChoiceFinished, offsets:
 async def sse_stream(generation: Generation, events: AsyncIterator) -> AsyncIterator[bytes]:
     plan = generation.plan
     offsets: dict[int, int] = defaultdict(int)
+    frame = _ChoiceFrames(plan)
     try:
         if plan.kind == "chat":
             for index in range(plan.n * len(plan.prompts)):
@@ -59,11 +74,11 @@ async def sse_stream(generation: Generation, events: AsyncIterator) -> AsyncIter
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                yield _data(formatting.chunk(plan, [role]))
+                yield frame(role)
         async for item in events:
             if isinstance(item, ChoiceDelta) and not item.text and not item.token_ids:
                 continue
-            yield _data(formatting.chunk(plan, [_choice(generation, item, offsets)]))
+            yield frame(_choice(generation, item, offsets))
         if plan.include_usage:
             yield _data(formatting.chunk(plan, [], usage=generation.usage))
     except PlatformError as exc:

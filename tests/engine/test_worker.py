@@ -760,3 +760,29 @@ def test_the_first_delta_names_the_replica_holding_the_request(client, inproc, f
     deltas = [e for e in events_of(client, prefix, "tagged") if e.type == "delta"]
     assert deltas[0].replica == "holder"
     assert all(e.replica is None for e in deltas[1:])
+
+
+def test_an_output_stream_gets_its_ttl_on_its_first_and_last_entries_not_on_every_token(client):
+    from engine.protocol import DeltaOutput, FinishedOutput, Usage
+    from engine.worker import RequestQueue
+
+    prefix = new_prefix()
+    queue = RequestQueue(
+        client, prefix=prefix, model=MODEL, replica_id="r", output_ttl_s=60, heartbeat_ttl_s=2.0
+    )
+    key = output_stream(prefix, "ttl")
+    try:
+        queue.publish([("ttl", Event.delta([DeltaOutput(index=0, text="a", token_ids=[1])]))], [])
+        assert 0 < client.ttl(key) <= 60
+        # given the TTL removed behind the replica's back, a next token within the refresh period
+        # does not set it again (one EXPIRE per stream per refresh period, not one per step)
+        client.persist(key)
+        queue.publish([("ttl", Event.delta([DeltaOutput(index=0, text="b", token_ids=[2])]))], [])
+        assert client.ttl(key) == -1
+        # the last entry sets it: a finished stream stays replayable for a whole TTL after its end
+        finished = Event.finished([FinishedOutput(index=0, finish_reason="stop")], Usage(3, 2))
+        queue.publish([("ttl", finished)], [])
+        assert 0 < client.ttl(key) <= 60
+        assert [e.type for e in events_of(client, prefix, "ttl")] == ["delta", "delta", "finished"]
+    finally:
+        drop_keys(client, prefix)
