@@ -225,7 +225,13 @@ class BenchStack:
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def create_stack(*, model_dir: Path, engine_settings: dict[str, Any]) -> BenchStack:
+def create_stack(
+    *,
+    model_dir: Path,
+    engine_settings: dict[str, Any],
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+) -> BenchStack:
     """Configure Django, register the model and an unthrottled tenant with a key (not started yet)."""
     run_id = uuid.uuid4().hex[:8]
     work_dir = configure_django(run_id=run_id)
@@ -233,7 +239,10 @@ def create_stack(*, model_dir: Path, engine_settings: dict[str, Any]) -> BenchSt
     from tenants.services import api_key_create, tenant_create
 
     model = f"bench-{run_id}"
-    deployment_register(name=model, model_path=model_dir, engine_settings=engine_settings)
+    options: dict[str, Any] = {"max_model_len": max_model_len}
+    if dtype is not None:
+        options["dtype"] = dtype
+    deployment_register(name=model, model_path=model_dir, engine_settings=engine_settings, **options)
     tenant = tenant_create(
         name=f"Bench {run_id}", slug=f"bench-{run_id}", allowed_models=[model], **UNTHROTTLED
     )

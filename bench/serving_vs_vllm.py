@@ -1,0 +1,388 @@
+"""Serving throughput: the full Pagoda stack against `vllm serve`, both driven by GuideLLM, in one run.
+
+Pagoda: daphne (config.asgi) -> Redis -> one engine replica (`manage.py run_engine`), with API-key
+auth, rate limits, queue bounds and metering on every request (a tenant whose limits are set but far
+above the load), on PostgreSQL from DATABASE_URL or a throwaway SQLite, Redis from REDIS_URL or an
+embedded server (bench/_stack.py). vLLM: `python -m vllm.entrypoints.openai.api_server` from its own
+virtualenv (see bench/vs_vllm.py for how to make it), started with the same engine settings (model,
+dtype, threads, max_num_seqs, max_num_batched_tokens, context length, KV cache size, prefix caching).
+
+Both servers stay up for the whole run and each load profile is measured on one and then the other,
+so both see the machine in the same state. The load is GuideLLM's (a development dependency):
+streamed chat completions of synthetic prompts of --prompt-tokens tokens, --output-tokens tokens each
+(ignore_eos), `concurrent` profiles at each of --concurrency, --requests requests each (at least
+2 x the concurrency), after a warm-up. Goodput is the rate of requests meeting the SLO
+(--slo-ttft-ms time to first token and --slo-itl-ms inter-token latency; defaults chosen for this
+2-core CPU and a 135M model: a first token within 3 s and at most 150 ms between tokens).
+
+    .venv/bin/python bench/serving_vs_vllm.py --vllm-python ~/.cache/pagoda/vllm-venv/bin/python
+    .venv/bin/python bench/serving_vs_vllm.py --skip-vllm --concurrency 8
+
+Prints progress on stderr and a final JSON line on stdout with `output_tok_s_ratio` and
+`itl_p50_ratio` (Pagoda over vLLM) at each concurrency and each side's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._stack import BenchStack, create_stack, free_port  # noqa: E402
+from bench.common import log, real_model_dir  # noqa: E402
+from engine.allocator import tcmalloc_path  # noqa: E402
+
+# GuideLLM's report: one benchmark per run, metrics as distributions keyed by kind of request.
+METRICS = {
+    "output_tok_s": ("output_tokens_per_second", "mean"),
+    "ttft_ms": ("time_to_first_token_ms", None),
+    "itl_ms": ("inter_token_latency_ms", None),
+    "latency_s": ("request_latency", None),
+    "requests_per_s": ("requests_per_second", "mean"),
+}
+
+
+class VllmServer:
+    """`vllm serve` from its own virtualenv, with the engine settings Pagoda's replica gets."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, name: str, work_dir: Path) -> None:
+        self.name = name
+        self.api_key = "sk-bench-" + secrets.token_hex(8)
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        venv = Path(args.vllm_python).parent.parent
+        preload = [p for p in (tcmalloc_path(), str(venv / "lib" / "libiomp5.so")) if p and Path(p).exists()]
+        env = dict(
+            os.environ,
+            LD_PRELOAD=":".join(preload),
+            OMP_NUM_THREADS=str(args.threads),
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
+            TOKENIZERS_PARALLELISM="false",
+        )
+        env.pop("PYTHONPATH", None)
+        command = [
+            args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            name,
+            "--dtype",
+            args.dtype,
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--enable-prefix-caching",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--api-key",
+            self.api_key,
+        ]
+        self.log_path = work_dir / "vllm.log"
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                command, env=env, cwd=work_dir, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve was not ready after {timeout_s}s:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) so far of each named process with its descendants (a negative pid:
+    that process alone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        total = 0
+        for member in process_tree(pid) if pid > 0 else [-pid]:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        out[name] = total / tick
+    return out
+
+
+def run_guidellm(
+    *,
+    target: str,
+    model: str,
+    api_key: str,
+    tokenizer_dir: Path,
+    concurrency: int,
+    requests: int,
+    args: argparse.Namespace,
+    out_dir: Path,
+    label: str,
+    pids: dict[str, int],
+) -> dict[str, Any]:
+    """One GuideLLM `concurrent` benchmark; returns its figures (see METRICS) and goodput."""
+    report = out_dir / f"{label}.json"
+    scenario = {
+        "backend": {
+            "kind": "openai_http",
+            "target": target,
+            "model": model,
+            "api_key": api_key,
+            "request_format": "/v1/chat/completions",
+            "http2": False,
+            "timeout": 600.0,
+        },
+        "profile": {"kind": "concurrent", "streams": [concurrency]},
+        "data": [
+            {
+                "kind": "synthetic_text",
+                "prompt_tokens": args.prompt_tokens,
+                "output_tokens": args.output_tokens,
+            }
+        ],
+        "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer_dir)},
+        "constraints": [{"kind": "max_requests", "count": requests}],
+        "seed": {"kind": "static", "value": args.seed},
+        "outputs": [{"kind": "json", "path": str(report)}],
+        "metrics": {"kind": "generative", "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_itl_ms}},
+    }
+    scenario_path = out_dir / f"{label}.scenario.json"
+    scenario_path.write_text(json.dumps({"metadata": {"name": label}, "spec": scenario}))
+    guidellm = Path(sys.executable).parent / "guidellm"
+    command = [str(guidellm), "run", "--scenario", str(scenario_path), "--disable-console-interactive"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    cpu_before = cpu_seconds(pids)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.profile_timeout_s)
+    cpu_after = cpu_seconds(pids)
+    if done.returncode != 0 or not report.exists():
+        raise RuntimeError(
+            f"guidellm failed ({label}, exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    out = figures(json.loads(report.read_text()), label=label)
+    # Where the cores went: CPU seconds per request of each server process (and its children).
+    done_requests = max(1, out["successful"])
+    out["cpu_ms_per_request"] = {
+        name: round((cpu_after[name] - cpu_before[name]) * 1000 / done_requests, 1) for name in pids
+    }
+    log(f"{label}: {json.dumps(out)}")
+    return out
+
+
+def figures(report: dict[str, Any], *, label: str) -> dict[str, Any]:
+    benchmark = report["benchmarks"][-1]
+    metrics = benchmark["metrics"]
+    out: dict[str, Any] = {}
+    for name, (key, stat) in METRICS.items():
+        successful = metrics[key]["successful"]
+        if stat is not None:
+            out[name] = round(float(successful[stat]), 2)
+        else:
+            percentiles = successful["percentiles"]
+            out[name] = {
+                "p50": round(float(percentiles["p50"]), 2),
+                "p99": round(float(percentiles["p99"]), 2),
+            }
+    totals = benchmark["scheduler_metrics"] if "scheduler_metrics" in benchmark else {}
+    requests = metrics.get("request_totals") or benchmark.get("request_totals") or {}
+    out["successful"] = int(requests.get("successful", 0))
+    out["errored"] = int(requests.get("errored", 0))
+    out["incomplete"] = int(requests.get("incomplete", 0))
+    # Goodput: requests per second that met every objective of the SLO, and their share.
+    out["slo_attainment"] = round(float(metrics.get("slo_attainment") or 0.0), 3)
+    goodput = (metrics.get("request_goodput") or {}).get("successful") or {}
+    out["goodput_requests_per_s"] = round(float(goodput.get("mean") or 0.0), 3)
+    del totals
+    return out
+
+
+def warm_up(target: str, model: str, api_key: str, count: int = 4) -> None:
+    """A few short chat completions, so compilation, caches and connections are not measured."""
+    for i in range(count):
+        body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                "max_tokens": 16,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            target + "/v1/chat/completions",
+            data=body,
+            headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            response.read()
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--vllm-python", default=str(Path.home() / ".cache/pagoda/vllm-venv/bin/python"))
+    parser.add_argument("--skip-vllm", action="store_true", help="Pagoda alone (no ratios)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrent streams")
+    parser.add_argument("--requests", type=int, default=48, help="per profile (at least 2 x concurrency)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=150.0)
+    parser.add_argument("--threads", type=int, default=2, help="engine threads of each server")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--profile-timeout-s", type=float, default=900.0)
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    model_dir = args.model_dir or real_model_dir()
+    out_dir = Path(tempfile.mkdtemp(prefix="pagoda-serving-vs-vllm-"))
+
+    stack: BenchStack = create_stack(
+        model_dir=model_dir,
+        engine_settings={
+            "device": "cpu",
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_cache_memory": f"{args.kv_cache_gib}GiB",
+            "enable_lora": False,  # as vLLM is started: no adapters
+        },
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+    )
+    vllm: VllmServer | None = None
+    results: dict[str, dict[int, dict[str, Any]]] = {"pagoda": {}, "vllm": {}}
+    try:
+        if not args.skip_vllm:
+            log("starting vllm serve (about 90 s)")
+            vllm = VllmServer(args, model_dir, stack.model, out_dir)
+        log(f"starting daphne and one engine replica ({stack.work_dir})")
+        stack.start(threads=args.threads)
+        warm_up(stack.base_url, stack.model, stack.api_key)
+        if vllm is not None:
+            vllm.wait_ready(timeout_s=600)
+            warm_up(vllm.base_url, vllm.name, vllm.api_key)
+        log("both servers ready" if vllm else "stack ready")
+        from core.redis_client import get_redis
+
+        pagoda_pids = {name: proc.pid for name, proc in stack.processes.items()}
+        pagoda_pids["redis"] = int(get_redis().info("server")["process_id"])
+        sides = [("pagoda", stack.base_url, stack.model, stack.api_key, pagoda_pids)]
+        if vllm is not None:
+            # The API server (tokenization, chat template, HTTP, detokenization) and the engine core
+            # process(es) under it.
+            vllm_pids = {"api_server": -vllm.proc.pid}
+            for child in process_tree(vllm.proc.pid)[1:]:
+                with contextlib.suppress(OSError):
+                    vllm_pids[f"{Path(f'/proc/{child}/comm').read_text().strip()}:{child}"] = -child
+            sides.append(("vllm", vllm.base_url, vllm.name, vllm.api_key, vllm_pids))
+        for level in levels:
+            requests = max(args.requests, 2 * level)
+            for name, target, model, key, pids in sides:
+                log(f"{name}: concurrency {level}, {requests} requests")
+                results[name][level] = run_guidellm(
+                    target=target,
+                    model=model,
+                    api_key=key,
+                    tokenizer_dir=model_dir,
+                    concurrency=level,
+                    requests=requests,
+                    args=args,
+                    out_dir=out_dir,
+                    label=f"{name}-c{level}",
+                    pids=pids,
+                )
+    finally:
+        if vllm is not None:
+            vllm.stop()
+        stack.close()
+
+    summary: dict[str, Any] = {
+        "benchmark": "serving_vs_vllm",
+        "model": model_dir.name,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+        "database": stack.database,
+        "pagoda": results["pagoda"],
+    }
+    if vllm is not None:
+        summary["vllm"] = results["vllm"]
+        for level in levels:
+            p, v = results["pagoda"][level], results["vllm"][level]
+            summary[f"output_tok_s_ratio_c{level}"] = ratio(p["output_tok_s"], v["output_tok_s"])
+            # Latencies, Pagoda over vLLM: at most 1.0 where Pagoda is no slower.
+            summary[f"itl_p50_ratio_c{level}"] = ratio(p["itl_ms"]["p50"], v["itl_ms"]["p50"])
+            summary[f"ttft_p50_ratio_c{level}"] = ratio(p["ttft_ms"]["p50"], v["ttft_ms"]["p50"])
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
