@@ -142,3 +142,63 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
         if static_file is not None:
             return await sync_to_async(self.serve)(static_file, request)
         return await self.get_response(request)
+
+
+class _ApiLane:
+    """For a Django MiddlewareMixin middleware: on /v1 paths its hooks either do not run at all
+    (browser-only middleware: sessions, CSRF, login, messages, framing, CSP; the API authenticates
+    by key and answers JSON) or run inline (`api_inline`: pure header and URL logic, no I/O).
+
+    Under ASGI MiddlewareMixin runs each hook through a thread-sensitive sync_to_async: with a dozen
+    such hooks an API request made a dozen thread hops, on a thread Django starts for each request.
+    Pages keep the hooks exactly as Django runs them."""
+
+    api_inline = False
+
+    def __init__(self, get_response) -> None:
+        super().__init__(get_response)
+        if self.async_mode and hasattr(self, "process_view"):
+            # Loaded into an async chain: a coroutine function, so Django does not wrap the hook in
+            # a thread hop of its own; API views (csrf-exempt) skip it on the event loop.
+            self._sync_process_view = self.process_view
+            self.process_view = self._async_process_view
+
+    async def _async_process_view(self, request, view_func, view_args, view_kwargs):
+        if _is_api(request):
+            return None
+        return await sync_to_async(self._sync_process_view, thread_sensitive=True)(
+            request, view_func, view_args, view_kwargs
+        )
+
+    def __call__(self, request):
+        if not _is_api(request):
+            return super().__call__(request)
+        if not self.api_inline:
+            return self.get_response(request)
+        if self.async_mode:
+            return self._api_acall(request)
+        return super().__call__(request)
+
+    async def _api_acall(self, request):
+        response = self.process_request(request) if hasattr(self, "process_request") else None
+        response = response or await self.get_response(request)
+        if hasattr(self, "process_response"):
+            response = self.process_response(request, response)
+        return response
+
+
+def _lane(path: str, *, inline: bool = False) -> type:
+    from django.utils.module_loading import import_string
+
+    base = import_string(path)
+    return type(base.__name__, (_ApiLane, base), {"api_inline": inline, "__module__": __name__})
+
+
+SecurityMiddleware = _lane("django.middleware.security.SecurityMiddleware", inline=True)
+CommonMiddleware = _lane("django.middleware.common.CommonMiddleware", inline=True)
+SessionMiddleware = _lane("django.contrib.sessions.middleware.SessionMiddleware")
+CsrfViewMiddleware = _lane("django.middleware.csrf.CsrfViewMiddleware")
+AuthenticationMiddleware = _lane("django.contrib.auth.middleware.AuthenticationMiddleware")
+MessageMiddleware = _lane("django.contrib.messages.middleware.MessageMiddleware")
+XFrameOptionsMiddleware = _lane("django.middleware.clickjacking.XFrameOptionsMiddleware")
+CSPMiddleware = _lane("csp.middleware.CSPMiddleware")

@@ -3,28 +3,45 @@
 from __future__ import annotations
 
 import pytest
-from asgiref.sync import AsyncToSync
+from asgiref.sync import AsyncToSync, SyncToAsync
 from django.test import AsyncClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-async def test_an_api_request_crosses_no_sync_middleware(world, monkeypatch) -> None:
-    # given a spy on asgiref's sync-to-async bridge back to the event loop, which Django puts below
-    # any sync-only middleware of an async chain
-    calls: list[object] = []
-    original = AsyncToSync.__call__
+async def test_an_api_request_makes_no_thread_hop_through_the_middleware(world, monkeypatch) -> None:
+    # given spies on asgiref's bridges: back to the event loop (below any sync-only middleware of an
+    # async chain) and to the request's own thread (each hook of Django's MiddlewareMixin under ASGI)
+    back_to_loop: list[object] = []
+    to_request_thread: list[object] = []
+    to_loop, to_thread = AsyncToSync.__call__, SyncToAsync.__call__
 
-    def counted(self, *args, **kwargs):
-        calls.append(self.awaitable)
-        return original(self, *args, **kwargs)
+    def counted_to_loop(self, *args, **kwargs):
+        back_to_loop.append(self.awaitable)
+        return to_loop(self, *args, **kwargs)
 
-    monkeypatch.setattr(AsyncToSync, "__call__", counted)
+    def counted_to_thread(self, *args, **kwargs):
+        if self._thread_sensitive and getattr(self.func, "__name__", "").startswith("process_"):
+            to_request_thread.append(self.func)  # a middleware hook (not Django's request signals)
+        return to_thread(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncToSync, "__call__", counted_to_loop)
+    monkeypatch.setattr(SyncToAsync, "__call__", counted_to_thread)
     # when a tenant lists its models over ASGI
     response = await AsyncClient().get("/v1/models", headers=world.headers())
-    # then the answer came without the request hopping to a worker thread and back
+    # then the answer came without a middleware hook hopping to the request's thread or back
     assert response.status_code == 200, response.content
-    assert calls == []
+    assert back_to_loop == [] and to_request_thread == []
+    # while a page still runs the browser middleware as Django does (a session, framing denied)
+    page = await AsyncClient().get("/dashboard/login/")
+    assert page.status_code == 200 and page["X-Frame-Options"] == "DENY"
+    assert "Content-Security-Policy" in page and to_request_thread
+
+
+async def test_api_answers_keep_the_security_headers() -> None:
+    response = await AsyncClient().get("/v1/models")
+    assert response.status_code == 401
+    assert response["X-Content-Type-Options"] == "nosniff"
 
 
 async def test_static_files_are_served_under_asgi() -> None:
