@@ -52,6 +52,25 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def vllm_env(vllm_python: str, *, threads: int, kv_cache_gib: float) -> dict[str, str]:
+    """The environment vLLM's CPU build runs in beside Pagoda: tcmalloc (vLLM's CPU docs ask for
+    it; Pagoda's engine processes preload it themselves, see engine.allocator) and the Intel OpenMP
+    runtime of its venv preloaded, its threads bound to the first `threads` cores, none reserved."""
+    from engine.allocator import tcmalloc_path
+
+    venv = Path(vllm_python).parent.parent
+    preload = [p for p in (tcmalloc_path(), str(venv / "lib" / "libiomp5.so")) if p and Path(p).exists()]
+    return dict(
+        os.environ,
+        LD_PRELOAD=":".join(preload),
+        OMP_NUM_THREADS=str(threads),
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
 def log(message: str) -> None:
     """Progress goes to stderr so that stdout ends with the JSON line alone."""
     print(message, file=sys.stderr, flush=True)

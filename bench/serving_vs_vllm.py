@@ -42,8 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._stack import BenchStack, create_stack, free_port  # noqa: E402
-from bench.common import log, real_model_dir  # noqa: E402
-from engine.allocator import tcmalloc_path  # noqa: E402
+from bench.common import log, real_model_dir, vllm_env  # noqa: E402
 
 # GuideLLM's report: one benchmark per run, metrics as distributions keyed by kind of request.
 METRICS = {
@@ -63,17 +62,7 @@ class VllmServer:
         self.api_key = "sk-bench-" + secrets.token_hex(8)
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
-        venv = Path(args.vllm_python).parent.parent
-        preload = [p for p in (tcmalloc_path(), str(venv / "lib" / "libiomp5.so")) if p and Path(p).exists()]
-        env = dict(
-            os.environ,
-            LD_PRELOAD=":".join(preload),
-            OMP_NUM_THREADS=str(args.threads),
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
-            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-            VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
-            TOKENIZERS_PARALLELISM="false",
-        )
+        env = vllm_env(args.vllm_python, threads=args.threads, kv_cache_gib=args.kv_cache_gib)
         env.pop("PYTHONPATH", None)
         command = [
             args.vllm_python,
@@ -241,8 +230,7 @@ def figures(report: dict[str, Any], *, label: str) -> dict[str, Any]:
                 "p50": round(float(percentiles["p50"]), 2),
                 "p99": round(float(percentiles["p99"]), 2),
             }
-    totals = benchmark["scheduler_metrics"] if "scheduler_metrics" in benchmark else {}
-    requests = metrics.get("request_totals") or benchmark.get("request_totals") or {}
+    requests = metrics.get("request_totals") or {}
     out["successful"] = int(requests.get("successful", 0))
     out["errored"] = int(requests.get("errored", 0))
     out["incomplete"] = int(requests.get("incomplete", 0))
@@ -250,7 +238,6 @@ def figures(report: dict[str, Any], *, label: str) -> dict[str, Any]:
     out["slo_attainment"] = round(float(metrics.get("slo_attainment") or 0.0), 3)
     goodput = (metrics.get("request_goodput") or {}).get("successful") or {}
     out["goodput_requests_per_s"] = round(float(goodput.get("mean") or 0.0), 3)
-    del totals
     return out
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, PromptSource, log, percentile, real_model_dir  # noqa: E402
+from common import ROOT, PromptSource, log, percentile, real_model_dir, vllm_env  # noqa: E402
 
 from engine.allocator import tcmalloc_path  # noqa: E402
 
@@ -212,24 +212,15 @@ class Worker:
     """One engine in its own process, loaded once and driven command by command."""
 
     def __init__(self, system: str, dtype: str, spec_path: Path, args: argparse.Namespace) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-        # Both engines run under tcmalloc (vLLM's CPU docs ask for it; Pagoda's engine processes
-        # preload it themselves, see engine.allocator); vLLM also gets the Intel OpenMP runtime its
-        # docs name.
-        preload = [p for p in (tcmalloc_path(),) if p]
         if system == "vllm":
             python = args.vllm_python
-            venv = Path(python).parent.parent
-            preload += [p for p in (str(venv / "lib" / "libiomp5.so"),) if Path(p).exists()]
-            env.update(
-                VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
-                VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
-                VLLM_LOGGING_LEVEL="WARNING",
-            )
+            env = vllm_env(python, threads=args.threads, kv_cache_gib=args.kv_cache_gib)
+            env["VLLM_LOGGING_LEVEL"] = "WARNING"
         else:
             python = sys.executable
-        env["LD_PRELOAD"] = ":".join(preload)
+            # Pagoda's engine runs under tcmalloc too (see engine.allocator).
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+            env["LD_PRELOAD"] = tcmalloc_path() or ""
         self.name = f"{system} {dtype}"
         read_fd, write_fd = os.pipe()
         cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--dtype", dtype]
