@@ -19,6 +19,7 @@ queueing); it needs transformers, never torch or Django.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -42,25 +43,99 @@ def message_text(content: Any) -> str:
     raise ChatTemplateError("message content must be a string or a list of text parts")
 
 
-def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages as chat templates expect them: `developer` is `system`, content is text."""
+def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates expect them: `developer` is `system`, content is text
+    (empty where an assistant message has only tool calls), a tool call's arguments an object."""
     out = []
     for m in messages:
         role = m.get("role")
-        out.append(
-            {
-                "role": "system" if role == "developer" else str(role),
-                "content": message_text(m.get("content")),
-            }
-        )
+        content = m.get("content")
+        message: dict[str, Any] = {
+            "role": "system" if role == "developer" else str(role),
+            "content": ""
+            if content is None and (m.get("tool_calls") or role == "tool")
+            else message_text(content),
+        }
+        if m.get("tool_calls"):
+            message["tool_calls"] = [_template_call(call) for call in m["tool_calls"]]
+        if m.get("tool_call_id") is not None:
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
-def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    # Templates write arguments with `| tojson` (vLLM hands them an object, as transformers
+    # documents); the API carries them as JSON text.
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            pass  # not JSON: the template gets the text the caller sent
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": arguments},
+    }
+
+
+def template_knows_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return "tools" in template and "tool_calls" in template
+
+
+_TOOLS_INTRO = (
+    "You can call functions to help with the user's request. Their signatures, as JSON, are "
+    "between <tools> and </tools>:\n<tools>\n{tools}\n</tools>\n\nTo call one, answer with its name "
+    "and an arguments object as JSON between <tool_call> and </tool_call>, one call per pair:\n"
+    '<tool_call>\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n</tool_call>'
+)
+
+
+def with_tools_as_text(
+    messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A conversation with tools for a template that knows none: the tools described in the system
+    message, calls and results as text in the Hermes format (what the `hermes` parser reads)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n"
+                + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                + "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
+            out.append(
+                {"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls}
+            )
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        intro = _TOOLS_INTRO.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{intro}"}
+        else:
+            out.insert(0, {"role": "system", "content": intro})
+    return out
+
+
+def render(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("This model has no chat template; use /v1/completions.")
+    extra = {"tools": list(tools)} if tools else {}
     try:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False, **extra
+        )
     except Exception as exc:  # jinja2's TemplateError, or raise_exception() called by the template
         raise ChatTemplateError(f"The model's chat template rejected the conversation: {exc}") from exc
 
@@ -79,10 +154,12 @@ def _encode(tokenizer: Any, text: str, *, plain: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=plain))
 
 
-def _content_spans(tokenizer: Any, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+def _content_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], text: str, tools: Sequence[dict[str, Any]] | None
+) -> list[tuple[int, int]]:
     """(start, end) of each message's content in the rendered ``text``, in order."""
     probe = [{**m, "content": _MARKER.format(i)} for i, m in enumerate(messages)]
-    skeleton = render(tokenizer, probe)
+    skeleton = render(tokenizer, probe, tools)
     parts = _MARKER_RE.split(skeleton)  # template text, index, template text, index, ...
     pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
     if sorted(order) != sorted(set(order)) or order != sorted(order):
@@ -109,16 +186,24 @@ def _content_spans(tokenizer: Any, messages: list[dict[str, str]], text: str) ->
                             "contain the text of a control token with it.")  # fmt: skip
 
 
-def chat_prompt_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """Token ids of the conversation rendered for the assistant's turn (the template adds BOS)."""
+def chat_prompt_token_ids(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of the conversation rendered for the assistant's turn (the template adds BOS).
+
+    `tools` (OpenAI's function tools) go to a template that renders tools; for one that does not,
+    they, the calls and their results are written into the messages as text (with_tools_as_text)."""
     msgs = normalize_messages(messages)
-    text = render(tokenizer, msgs)
+    has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
+    if (tools or has_tool_turns) and not template_knows_tools(tokenizer):
+        msgs, tools = with_tools_as_text(msgs, tools or []), None
+    text = render(tokenizer, msgs, tools)
     specials = special_token_texts(tokenizer)
     if not any(s in m["content"] for m in msgs for s in specials):
         return _encode(tokenizer, text, plain=False)
     ids: list[int] = []
     pos = 0
-    for start, end in _content_spans(tokenizer, msgs, text):
+    for start, end in _content_spans(tokenizer, msgs, text, tools):
         ids += _encode(tokenizer, text[pos:start], plain=False)
         ids += _encode(tokenizer, text[start:end], plain=True)
         pos = end

@@ -23,7 +23,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_profile import StepProfile
-from engine.stop_checker import FINISH_LENGTH, OutputStream
+from engine.stop_checker import FINISH_LENGTH, OutputStream, StreamStep
+from engine.structured_output.manager import GrammarRequests
+from engine.structured_output.spec import StructuredOutputsError
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, FINISH_LENGTH: SequenceStatus.FINISHED_LENGTH}
 
@@ -88,8 +90,13 @@ class LLMEngine:
             self.runner.lora = self.lora_manager
         lora_slots = self.lora_manager.slots if self.lora_manager is not None else None
         self.scheduler = Scheduler(setup.scheduler_config, config.cache, setup.num_blocks, lora_slots)
+        self.grammars = GrammarRequests(
+            self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
+        )
+        self.runner.grammar_bitmask = self.grammars.bitmask
         self._requests: dict[str, _Request] = {}
         self._completions: dict[int, _Completion] = {}  # seq_id -> completion
+        self._aborted_waiting: dict[str, None] = {}  # aborted while their grammar compiled
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -146,6 +153,11 @@ class LLMEngine:
         ]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        grammar = None
+        if sampling_params.structured_outputs is not None:
+            grammar = self.grammars.manager.grammar(sampling_params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise InvalidRequestError(str(grammar.exception()))
         lora_id = self._lora_id(tenant, lora, sampling_params.n)
         now = time.time()
         # The first add carries every size check; siblings are identical, so they cannot fail after it.
@@ -167,7 +179,8 @@ class LLMEngine:
                 )
                 for i in range(sampling_params.n)
             ]
-            for seq in seqs:
+            # A grammar still compiling: the request waits outside the scheduler until it is ready.
+            for seq in seqs if grammar is None or grammar.done() else ():
                 self.scheduler.add(seq)
                 added.append(seq)
         except EngineError:
@@ -192,6 +205,40 @@ class LLMEngine:
             prompt_logprobs_due=sampling_params.prompt_logprobs is not None,
         )
         self.num_prompt_tokens += len(prompt)
+        if grammar is not None:
+            if grammar.done():
+                self.grammars.bind([s.seq_id for s in seqs], grammar.result())
+            else:
+                self.grammars.waiting[request_id] = grammar
+
+    def _admit_compiled(self) -> dict[str, None]:
+        """Requests whose grammar finished compiling go to the scheduler (or fail); returns those
+        that ended."""
+        ended: dict[str, None] = {}
+        for request_id in self.grammars.done():
+            future = self.grammars.waiting.pop(request_id)
+            req = self._requests[request_id]
+            seqs = [c.seq for c in req.completions]
+            error = future.exception()
+            if error is None:
+                try:
+                    for seq in seqs:
+                        self.scheduler.add(seq)
+                except EngineError as exc:
+                    for seq in seqs:
+                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "error")
+                    error = exc
+            if error is None:
+                self.grammars.bind([s.seq_id for s in seqs], future.result())
+                continue
+            req.error = str(error)
+            req.error_code = getattr(error, "code", None) or (
+                "invalid_request" if isinstance(error, StructuredOutputsError) else "engine_error"
+            )
+            for seq in seqs:
+                self._finish_completion(seq, "error", None)
+            ended[request_id] = None
+        return ended
 
     def _lora_id(self, tenant: str, lora: LoRARef | None, num_seqs: int) -> int:
         if lora is None:
@@ -203,6 +250,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Takes effect at the next step(), which frees the blocks and reports the request finished."""
+        if request_id in self.grammars.waiting:
+            self._aborted_waiting[request_id] = None
+            return
         self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -214,10 +264,15 @@ class LLMEngine:
         profile = self.profile
         if profile is not None:
             profile.start()
+        touched: dict[str, None] = {}
+        if self.grammars.waiting:
+            touched.update(self._take_aborted_waiting())
+            touched.update(self._admit_compiled())
         sched_out = self.scheduler.schedule()
         if profile is not None:
             profile.mark("schedule")
-        touched: dict[str, None] = {}
+        if not sched_out.scheduled and not touched and self.grammars.waiting:
+            self.grammars.wait(0.05)  # nothing to run until a grammar is ready: do not spin
         for seq in sched_out.finished_aborted:
             self._finish_completion(seq, "abort", None)
             touched[seq.request_id] = None
@@ -248,11 +303,33 @@ class LLMEngine:
             profile.mark("output")
         return outputs
 
+    def _take_aborted_waiting(self) -> dict[str, None]:
+        ended: dict[str, None] = {}
+        for request_id in list(self._aborted_waiting):
+            del self._aborted_waiting[request_id]
+            if self.grammars.waiting.pop(request_id, None) is None:
+                continue
+            for c in self._requests[request_id].completions:
+                self._finish_completion(c.seq, "abort", None)
+            ended[request_id] = None
+        return ended
+
     def _append(self, seq: Sequence, logprobs) -> None:
         c = self._completions[seq.seq_id]
         token = seq.output_token_ids[-1]
         self.num_generated_tokens += 1
+        accepted, terminated = self.grammars.accept(seq.seq_id, token)
+        if not accepted:  # the bitmask allows only what the grammar accepts: an engine bug
+            req = self._requests[seq.request_id]
+            req.error, req.error_code = "the output left its grammar", "engine_error"
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "error")
+            self._finish_completion(seq, "error", None)
+            return
         step = c.stream.append_token(token, max_model_len_reached=seq.num_tokens >= self.max_model_len)
+        if terminated and step.finish_reason is None:
+            # The grammar is complete and allows nothing more (its end token was not a stop, as
+            # with ignore_eos): the output ends here.
+            step = StreamStep(step.text + c.stream.end("stop"), "stop", None)
         c.text += step.text
         c.text_delta += step.text
         c.token_ids_delta.append(token)
@@ -267,6 +344,7 @@ class LLMEngine:
         c = self._completions.pop(seq.seq_id)
         c.finish_reason, c.stop_reason = reason, stop_reason
         self.runner.free(seq.seq_id)
+        self.grammars.release(seq.seq_id)
         if seq.lora_id and self.lora_manager is not None:
             self.lora_manager.release(seq.lora_id)
 

@@ -7,6 +7,7 @@ a scratch block past the pool so they never touch a real sequence's cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs, make_generator
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
 from engine.step_profile import StepProfile
 
 
@@ -80,6 +82,9 @@ class ModelRunner:
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         # engine.lora.LoRAManager when adapters are served: it maps each step's tokens to slots.
         self.lora = None
+        # The engine's structured outputs: the token bitmask of a step's sampled sequences (None
+        # when none is constrained).
+        self.grammar_bitmask: Callable[[list[Sequence]], torch.Tensor | None] | None = None
         self.graphs: _DecodeGraphs | None = None
         self.profile: StepProfile | None = None  # the engine's, while it profiles its steps
         if self.device.type == "cuda" and not enforce_eager and cuda_graph_batch_sizes:
@@ -242,12 +247,14 @@ class ModelRunner:
         if not inputs.sampled:
             return RunnerOutput({}, {}, prompt_logprobs)
         seqs = [item.seq for item in inputs.sampled]
+        bitmask = self.grammar_bitmask(seqs) if self.grammar_bitmask is not None else None
         out = self.sampler.sample(
             logits,
             [s.sampling_params for s in seqs],
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [self._generator(item) for item in inputs.sampled],
+            token_bitmask=bitmask,
         )
         ids = {s.seq_id: t for s, t in zip(seqs, out.token_ids, strict=True)}
         logprobs = {s.seq_id: lp for s, lp in zip(seqs, out.logprobs, strict=True)}

@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # OpenAI's ceiling on `top_logprobs`
 MAX_N = 128  # OpenAI's limit on `n`
+# OpenAI's range of a `logit_bias` value, and the token ids one request may bias.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # /v1/completions: prompts in one request, and sequences one request may start (prompts x n): one
 # request must not fill a replica's batch on its own.
 MAX_COMPLETION_PROMPTS = 64

@@ -1,7 +1,8 @@
 """Batched token sampling with vLLM's processing order.
 
-logits → penalties (repetition over prompt+output, presence/frequency over output) → min_tokens
-(stop ids masked) → greedy rows: argmax; random rows: temperature → top_k → top_p → min_p →
+logits → grammar bitmask (constrained rows) → [raw logprobs] → logit_bias → penalties (repetition over prompt+output, presence/frequency over output) → min_tokens
+(stop ids masked, except in constrained rows: there the grammar says when the output may end)
+→ greedy rows: argmax; random rows: temperature → top_k → top_p → min_p →
 inverse-CDF draw.
 
 Each random row takes one uniform number. Seeded rows draw it from their own torch.Generator and
@@ -59,7 +60,10 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None] | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """`token_bitmask`: (num_seqs, ceil(vocab_size / 32)) int32 of the tokens each row may
+        sample (bit j of word w allows token 32 * w + j); a row with every bit set is free."""
         num_seqs, vocab_size = logits.shape
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == num_seqs
         if generators is None:
@@ -69,13 +73,17 @@ class Sampler:
         device = logits.device
         # float32 whatever the model dtype: bf16 softmax/cumsum loses the tail that top_p cuts.
         logits = logits.to(torch.float32, copy=True)
+        constrained: list[int] = []
+        if token_bitmask is not None:
+            constrained = apply_token_bitmask(logits, token_bitmask)
 
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
+        _apply_logit_bias(logits, params)
         logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
-        _apply_min_tokens(logits, params, output_token_ids, eos)
+        _apply_min_tokens(logits, params, output_token_ids, eos, skip=constrained)
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
@@ -158,18 +166,60 @@ def apply_penalties(
     return logits
 
 
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> list[int]:
+    """Set the logits of disallowed tokens to -inf, in place, in the rows that are constrained
+    (not every bit set); returns those rows."""
+    num_seqs, vocab_size = logits.shape
+    assert bitmask.shape == (num_seqs, -(-vocab_size // 32)), (bitmask.shape, logits.shape)
+    rows = (bitmask != -1).any(dim=1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return []
+    words = bitmask[rows].to(logits.device)  # (num_constrained, num_words)
+    # (num_constrained, num_words, 32) bits, flattened to one per token: word w, bit j -> 32 * w + j.
+    allowed = ((words.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1).bool()
+    allowed = allowed.view(rows.numel(), -1)[:, :vocab_size]
+    rows = rows.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return rows.tolist()
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            if token < vocab_size:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    if rows:
+        device = logits.device
+        logits.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(values, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
+
+
 def _apply_min_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
     eos_token_ids: Sequence[int],
+    skip: Sequence[int] = (),
 ) -> None:
     """Until min_tokens outputs exist, tokens that would end the sequence cannot be sampled."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
+    skipped = set(skip)
     for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-        if len(out) >= p.min_tokens:
+        if len(out) >= p.min_tokens or i in skipped:
             continue
         # As vLLM: EOS only counts as a stop token when it is not ignored.
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))

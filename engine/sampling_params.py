@@ -11,7 +11,15 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engine.rules import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from engine.rules import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
+from engine.structured_output.spec import StructuredOutputsError, structured_outputs_check
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would only overflow.
 _SAMPLING_EPS = 1e-5
@@ -73,6 +81,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids (OpenAI's logit_bias, -100..100) before sampling.
+    logit_bias: dict[int, float] | None = None
+    # A grammar the output must match (vLLM's structured_outputs: json, regex, choice, grammar or
+    # json_object); kept canonical, see engine.structured_output.spec.
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, lo=1, hi=MAX_N)
@@ -109,6 +122,30 @@ class SamplingParams:
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        self.logit_bias = self._checked_logit_bias(self.logit_bias)
+        try:
+            self.structured_outputs = structured_outputs_check(self.structured_outputs)
+        except StructuredOutputsError as exc:
+            raise SamplingParamsError(exc.param, str(exc)) from exc
+
+    @staticmethod
+    def _checked_logit_bias(bias: Any) -> dict[int, float] | None:
+        if not bias:
+            return None
+        if not isinstance(bias, dict):
+            raise SamplingParamsError("logit_bias", "logit_bias must map token ids to numbers")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(bias)}"
+            )
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            # JSON object keys are strings: a bias crosses the wire as {"123": 5.0}.
+            token = int(key) if isinstance(key, str) and key.isdigit() else key
+            out[_check_int("logit_bias", token, lo=0)] = _check_float(
+                "logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS
+            )
+        return out
 
     @staticmethod
     def _checked_stop(stop: Any) -> list[str]:
@@ -146,6 +183,8 @@ class SamplingParams:
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, list) else value
+        if self.logit_bias is not None:
+            out["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
         return out
 
     @classmethod

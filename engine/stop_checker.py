@@ -181,3 +181,11 @@ class OutputStream:
             text += self.stop_checker.flush()
             self.finish_reason, self.stop_reason = reason, stop_reason
         return StreamStep(text=text, finish_reason=reason, stop_reason=stop_reason)
+
+    def end(self, reason: str) -> str:
+        """End the output here though no stop rule fired (its grammar is complete); returns the
+        text still held back."""
+        assert self.finish_reason is None, "sequence already finished"
+        text = self.stop_checker.add_text(self.detokenizer.flush(), check=False) + self.stop_checker.flush()
+        self.finish_reason = reason
+        return text

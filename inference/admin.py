@@ -59,6 +59,7 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
         "model_path",
         "max_model_len",
         "dtype",
+        "tool_call_parser",
         "engine_settings",
         "enabled",
         "replicas",

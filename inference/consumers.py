@@ -10,6 +10,7 @@ streams, each with its id:
 
   -> {"type": "chat", "id": "<client id>", "request": {...chat completions body...}}
   <- {"type": "delta", "id", "index", "content", "logprobs"?}
+  <- {"type": "delta", "id", "index", "tool_calls": [...]}   (with tools: as in SSE chunks)
   <- {"type": "done", "id", "usage", "finish_reason", "choices": [{"index", "finish_reason"}]}
   <- {"type": "error", "id", "error": {"message", "type", "param", "code"}}
   -> {"type": "cancel", "id"}     <- {"type": "cancelled", "id", "usage"}  (usage zero when the
@@ -33,6 +34,7 @@ from core.concurrency import blocking
 from core.errors import AuthenticationError, InvalidRequestError, PlatformError
 from core.request_ids import new_request_id
 from inference import metrics
+from inference.api.chat_output import ChoiceMessageStream
 from inference.api.formatting import chat_logprobs, usage_body
 from inference.api.serializers import ChatCompletionInputSerializer, generation_input
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationUsage, generation_start
@@ -186,9 +188,12 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             return
         plan = generation.plan
         reasons: dict[int, str] = {}
+        tool_streams: dict[int, ChoiceMessageStream] = {}
         try:
             async for item in events:
-                if isinstance(item, ChoiceDelta) and (item.text or item.token_ids):
+                if plan.tool_mode is not None and isinstance(item, ChoiceDelta | ChoiceFinished):
+                    await self._send_tool_deltas(stream_id, plan, item, tool_streams, reasons)
+                elif isinstance(item, ChoiceDelta) and (item.text or item.token_ids):
                     message = {"type": "delta", "id": stream_id, "index": item.index, "content": item.text}
                     if plan.logprobs is not None:
                         message["logprobs"] = chat_logprobs(plan, item.logprobs)
@@ -220,6 +225,23 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 "service_tier": plan.service_tier,
             }
         )
+
+    async def _send_tool_deltas(
+        self,
+        stream_id: str,
+        plan: Any,
+        item: ChoiceDelta | ChoiceFinished,
+        streams: dict[int, ChoiceMessageStream],
+        reasons: dict[int, str],
+    ) -> None:
+        """A chat with tools: content and tool_calls deltas, as the SSE stream's chunks carry them."""
+        stream = streams.setdefault(item.index, ChoiceMessageStream(plan))
+        if isinstance(item, ChoiceFinished):
+            deltas, reasons[item.index] = stream.finish(item.finish_reason)
+        else:
+            deltas = stream.feed(item.text)
+        for delta in deltas:
+            await self.send_json({"type": "delta", "id": stream_id, "index": item.index, **delta})
 
     async def _send_quietly(self, message: dict) -> None:
         try:

@@ -41,6 +41,20 @@ class ModelDeployment(models.Model):
     engine_settings = models.JSONField(
         default=dict, blank=True, help_text="Extra engine options (block size, memory budget, ...)."
     )
+
+    class ToolCallParser(models.TextChoices):
+        HERMES = "hermes", "hermes (<tool_call> JSON: Hermes, Qwen, SmolLM)"
+        LLAMA3_JSON = "llama3_json", "llama3_json (Llama 3.1 JSON)"
+        NONE = "", "none (no automatic tool choice)"
+
+    tool_call_parser = models.CharField(
+        max_length=32,
+        choices=ToolCallParser.choices,
+        default=ToolCallParser.HERMES,
+        blank=True,
+        help_text="How tool calls are read from this model's output when tool_choice is auto. Templates "
+        "that do not render tools get them described in the Hermes format.",
+    )
     enabled = models.BooleanField(default=True)
     max_queued_requests = models.PositiveIntegerField(
         null=True,

@@ -39,12 +39,14 @@ def get_tokenizer(model_path: str) -> Any:
             ) from exc
 
 
-def chat_prompt_ids(model_path: str, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the conversation rendered by the model's chat template, ready for the
-    assistant's turn; text in the messages never becomes a control token."""
+def chat_prompt_ids(
+    model_path: str, messages: list[dict[str, Any]], *, tools: list | None = None
+) -> list[int]:
+    """Token ids of the conversation (and its tools) rendered by the model's chat template, ready
+    for the assistant's turn; text in the messages never becomes a control token."""
     tokenizer = get_tokenizer(model_path)
     try:
-        return chat_prompt_token_ids(tokenizer, messages)
+        return chat_prompt_token_ids(tokenizer, messages, tools)
     except ChatTemplateError as exc:
         raise InvalidRequestError(str(exc), param="messages") from exc
 

@@ -7,28 +7,38 @@ from typing import Any
 from rest_framework import serializers
 
 from core.api.base import unknown_field_error
-from engine.rules import MAX_COMPLETION_PROMPTS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SERVICE_TIERS
+from engine.rules import (
+    MAX_COMPLETION_PROMPTS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SERVICE_TIERS,
+)
+from engine.structured_output.spec import StructuredOutputsError, structured_outputs_check
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
-        "parallel_tool_calls",
         "audio",
         "modalities",
         "prediction",
         "web_search_options",
         "reasoning_effort",
         "suffix",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
     }
 )
+# vLLM's older names of structured_outputs' fields, removed there too.
+RENAMED_FIELDS = {
+    "guided_json": "structured_outputs.json",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_decoding_backend": "structured_outputs",
+}
 # Accepted and ignored: they change nothing about generation.
 IGNORED_FIELDS: frozenset[str] = frozenset()
 # OpenAI's bounds on metadata (kept only with store, which this server refuses; checked all the same).
@@ -103,32 +113,79 @@ class PromptField(serializers.Field):
         return value
 
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 class MessagesField(serializers.Field):
-    """`messages`: role + text content (a string or a list of text parts). Internal value:
-    [{"role", "content": str}], with `developer` read as `system` (as OpenAI does for older models)."""
+    """`messages`: role + text content (a string or a list of text parts); assistant messages may
+    carry `tool_calls` (then content may be null), `tool` messages a `tool_call_id`. Internal value:
+    [{"role", "content": str, "tool_calls"?: [...], "tool_call_id"?: str}], with `developer` read
+    as `system` (as OpenAI does for older models)."""
 
-    def to_internal_value(self, data: Any) -> list[dict[str, str]]:
+    def to_internal_value(self, data: Any) -> list[dict[str, Any]]:
         if not isinstance(data, list) or not data:
             raise serializers.ValidationError("messages must be a non-empty list.")
-        out: list[dict[str, str]] = []
+        out: list[dict[str, Any]] = []
         for i, message in enumerate(data):
             if not isinstance(message, dict):
                 raise serializers.ValidationError(f"messages[{i}] must be an object.")
             role = message.get("role")
-            if role == "tool" or "tool_calls" in message or "function_call" in message:
-                raise serializers.ValidationError(f"messages[{i}]: tool calls are not supported.")
+            if "function_call" in message:
+                raise serializers.ValidationError(
+                    f"messages[{i}].function_call is not supported; use tool_calls."
+                )
             if role not in _ROLES:
                 raise serializers.ValidationError(
                     f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}."
                 )
-            out.append({"role": "system" if role == "developer" else role, "content": _text(message, i)})
+            calls = message.get("tool_calls")
+            if calls is not None and role != "assistant":
+                raise serializers.ValidationError(f"messages[{i}]: only assistant messages have tool_calls.")
+            item: dict[str, Any] = {"role": "system" if role == "developer" else role}
+            if calls:
+                item["tool_calls"] = _tool_calls(calls, i)
+                item["content"] = "" if message.get("content") is None else _text(message, i)
+            else:
+                item["content"] = _text(message, i)
+            if role == "tool":
+                call_id = message.get("tool_call_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise serializers.ValidationError(
+                        f"messages[{i}].tool_call_id must be a non-empty string."
+                    )
+                item["tool_call_id"] = call_id
+            out.append(item)
         return out
 
     def to_representation(self, value: Any) -> Any:
         return value
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise serializers.ValidationError(f"messages[{i}].tool_calls must be a list.")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments", ""), str)
+        ):
+            raise serializers.ValidationError(
+                f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}"
+                " with arguments as a JSON string."
+            )
+        out.append(
+            {
+                "id": str(call.get("id") or ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": function.get("arguments") or "{}"},
+            }
+        )
+    return out
 
 
 def _text(message: dict, i: int) -> str:
@@ -174,6 +231,8 @@ class SamplingInputSerializer(serializers.Serializer):
     min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     ignore_eos = serializers.BooleanField(required=False, allow_null=True)
     logit_bias = serializers.DictField(required=False, allow_null=True)
+    # vLLM's extra: a grammar the output must match (json, regex, choice, grammar or json_object).
+    structured_outputs = serializers.JSONField(required=False, allow_null=True)
     # vLLM's extra: logprobs of the prompt's tokens, with this many top entries each (0..20).
     prompt_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20)
     # The caller's identifiers, recorded in the usage ledger (safety_identifier and
@@ -217,10 +276,31 @@ class SamplingInputSerializer(serializers.Serializer):
             raise serializers.ValidationError("repetition_penalty must be greater than 0.")
         return value
 
-    def validate_logit_bias(self, value: dict | None) -> dict | None:
-        if value:
-            raise serializers.ValidationError("logit_bias is not supported.")
-        return value
+    def validate_logit_bias(self, value: dict | None) -> dict[int, float] | None:
+        if not value:
+            return None
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise serializers.ValidationError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} token ids.")
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise serializers.ValidationError(f"logit_bias keys must be token ids, got {key!r}.")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, int | float)
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+            ):
+                raise serializers.ValidationError(
+                    f"logit_bias values must be numbers from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got {bias!r}."
+                )
+            out[int(key)] = float(bias)
+        return out
+
+    def validate_structured_outputs(self, value: Any) -> dict | None:
+        try:
+            return structured_outputs_check(value)
+        except StructuredOutputsError as exc:
+            raise serializers.ValidationError(str(exc)) from exc
 
     def validate(self, attrs: dict) -> dict:
         if attrs.get("prompt_logprobs") is not None and attrs.get("stream"):
@@ -241,4 +321,6 @@ def refuse_unsupported(body: dict, known: set[str]) -> None:
             continue
         if name in UNSUPPORTED_FIELDS:
             raise serializers.ValidationError({name: f"{name} is not supported by this server."})
+        if name in RENAMED_FIELDS:
+            raise serializers.ValidationError({name: f"{name} is not supported; use {RENAMED_FIELDS[name]}."})
         raise unknown_field_error(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from inference.api.chat_output import chat_message
 from inference.services import GenerationPlan, GenerationUsage
 from inference.services.generation import CollectedChoice
 from inference.tokenization import token_text
@@ -137,6 +138,16 @@ def _text_choice(plan: GenerationPlan, c: CollectedChoice) -> dict[str, Any]:
     return choice
 
 
+def _chat_choice(plan: GenerationPlan, c: CollectedChoice) -> dict[str, Any]:
+    message, finish_reason = chat_message(plan, c.text, c.finish_reason)
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": chat_logprobs(plan, c.logprobs),
+        "finish_reason": finish_reason,
+    }
+
+
 def chat_completion_body(
     plan: GenerationPlan, choices: list[CollectedChoice], usage: GenerationUsage
 ) -> dict[str, Any]:
@@ -147,15 +158,7 @@ def chat_completion_body(
         "model": plan.served_model,
         "system_fingerprint": None,
         "service_tier": plan.service_tier,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": chat_logprobs(plan, c.logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
+        "choices": [_chat_choice(plan, c) for c in choices],
         "usage": usage_body(usage),
         **(
             {"prompt_logprobs": prompt_logprobs_body(plan, choices[0].prompt_logprobs if choices else None)}

@@ -12,6 +12,7 @@ from core.api.exceptions import to_platform_error
 from core.errors import InvalidRequestError
 from engine.rules import MAX_LOGPROBS, MAX_SEQUENCES_PER_REQUEST
 from inference.api.fields import MessagesField, PromptField, SamplingInputSerializer, refuse_unsupported
+from inference.api.tool_fields import ResponseFormatField, ToolsField, tool_choice_check
 
 
 class ChatCompletionInputSerializer(SamplingInputSerializer):
@@ -21,17 +22,27 @@ class ChatCompletionInputSerializer(SamplingInputSerializer):
     top_logprobs = serializers.IntegerField(
         required=False, allow_null=True, min_value=0, max_value=MAX_LOGPROBS
     )
-    response_format = serializers.DictField(required=False, allow_null=True)
-
-    def validate_response_format(self, value: dict | None) -> dict | None:
-        if value is not None and value.get("type") != "text":
-            raise serializers.ValidationError("Only response_format {'type': 'text'} is supported.")
-        return value
+    # Internal value: the structured output spec it asks for (None for text).
+    response_format = ResponseFormatField(required=False, allow_null=True)
+    tools = ToolsField(required=False, allow_null=True)
+    tool_choice = serializers.JSONField(required=False, allow_null=True)
+    parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
 
     def validate(self, attrs: dict) -> dict:
         attrs = super().validate(attrs)
         if attrs.get("top_logprobs") is not None and not attrs.get("logprobs"):
             raise serializers.ValidationError({"top_logprobs": "top_logprobs requires logprobs to be true."})
+        if attrs.get("response_format") and attrs.get("structured_outputs"):
+            raise serializers.ValidationError(
+                {"structured_outputs": "Give either response_format or structured_outputs, not both."}
+            )
+        attrs["tool_choice"] = tool_choice_check(attrs.get("tool_choice"), attrs.get("tools") or [])
+        if attrs["tool_choice"] not in ("none", "auto") and (
+            attrs.get("response_format") or attrs.get("structured_outputs")
+        ):
+            raise serializers.ValidationError(
+                {"tool_choice": "A required or named tool_choice cannot be combined with a response_format."}
+            )
         return attrs
 
 

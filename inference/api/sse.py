@@ -16,6 +16,7 @@ from django.http import StreamingHttpResponse
 
 from core.errors import PlatformError
 from inference.api import formatting
+from inference.api.chat_output import ChoiceMessageStream
 from inference.services import ChoiceDelta, ChoiceFinished, Generation
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,35 @@ def _choice(generation: Generation, item: ChoiceDelta | ChoiceFinished, offsets:
     return {"index": item.index, "text": item.text, "logprobs": logprobs, "finish_reason": None}
 
 
+def _tool_choices(
+    generation: Generation, item: ChoiceDelta | ChoiceFinished, streams: dict[int, ChoiceMessageStream]
+) -> list[dict[str, Any]]:
+    """The chunks' choices of one item in a chat with tools: its text read into content and
+    tool-call deltas (none while a call is being read), then the finish."""
+    plan = generation.plan
+    stream = streams.get(item.index)
+    if stream is None:
+        stream = streams[item.index] = ChoiceMessageStream(plan)
+    if isinstance(item, ChoiceFinished):
+        deltas, reason = stream.finish(item.finish_reason)
+        out = [{"index": item.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        return [*out, {"index": item.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
+    logprobs = formatting.chat_logprobs(plan, item.logprobs)
+    deltas = stream.feed(item.text)
+    if not deltas and logprobs is not None:
+        deltas = [{}]  # the tokens' logprobs go out even while their text is held back
+    out = []
+    for delta in deltas:
+        out.append({"index": item.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+        logprobs = None
+    return out
+
+
 async def sse_stream(generation: Generation, events: AsyncIterator) -> AsyncIterator[bytes]:
     plan = generation.plan
     offsets: dict[int, int] = defaultdict(int)
     frame = _ChoiceFrames(plan)
+    tool_streams: dict[int, ChoiceMessageStream] | None = {} if plan.tool_mode is not None else None
     try:
         if plan.kind == "chat":
             for index in range(plan.n * len(plan.prompts)):
@@ -77,6 +103,10 @@ async def sse_stream(generation: Generation, events: AsyncIterator) -> AsyncIter
                 yield frame(role)
         async for item in events:
             if isinstance(item, ChoiceDelta) and not item.text and not item.token_ids:
+                continue
+            if tool_streams is not None:
+                for choice in _tool_choices(generation, item, tool_streams):
+                    yield frame(choice)
                 continue
             yield frame(_choice(generation, item, offsets))
         if plan.include_usage:

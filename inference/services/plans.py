@@ -10,9 +10,12 @@ from typing import Any
 from core.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
 from engine.protocol import LoRARef
 from engine.rules import SERVICE_TIER_PRIORITY
+from engine.structured_output.grammar import grammar_check
+from engine.structured_output.spec import StructuredOutputsError
 from inference import tokenization
 from inference.models import LoraAdapter, ModelDeployment
 from inference.selectors import adapter_get_servable, deployment_get_enabled
+from inference.tool_calls import named_tool_schema, required_tools_schema
 from tenants.types import AuthContext
 
 # Body fields copied to the engine's sampling parameters as they are (None: the engine default).
@@ -55,6 +58,11 @@ class GenerationPlan:
     end_user: str = ""  # safety_identifier (or the older `user`), for the ledger
     prompt_cache_key: str = ""
     lora: LoRARef | None = None
+    # Chat with tools: how tool calls are read from the output. auto: the deployment's parser finds
+    # them in free text; required / named: the output is generated as the calls' JSON.
+    tool_mode: str | None = None  # auto | required | named
+    tool_name: str | None = None  # named: the function
+    tool_parser: str = ""
     service_tier: str = "default"  # the tier it runs on: default, flex or priority
     max_queued: int | None = None  # the deployment's bound on requests waiting to start
     created: int = field(default_factory=lambda: int(time.time()))
@@ -132,10 +140,30 @@ def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, p
 
 
 def _sampling(
-    data: dict[str, Any], *, n: int, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    data: dict[str, Any],
+    *,
+    n: int,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    vocab: int,
+    structured: dict[str, Any] | None = None,
+    structured_param: str = "structured_outputs",
 ) -> dict[str, Any]:
     params: dict[str, Any] = {name: data[name] for name in _SAMPLING_FIELDS if data.get(name) is not None}
     params.update(n=n, max_tokens=max_tokens, stop=list(data.get("stop") or []))
+    bias = data.get("logit_bias")
+    if bias:
+        if any(t >= vocab for t in bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}).", param="logit_bias")
+        params["logit_bias"] = {str(t): b for t, b in bias.items()}
+    structured = structured or data.get("structured_outputs")
+    if structured is not None:
+        try:
+            grammar_check(structured)
+        except StructuredOutputsError as exc:
+            raise InvalidRequestError(str(exc), param=structured_param) from exc
+        params["structured_outputs"] = structured
     if logprobs is not None:
         params["logprobs"] = logprobs
     if prompt_logprobs is not None:
@@ -187,7 +215,14 @@ def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
 def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
     target = served_model_resolve(auth=auth, model=data["model"])
     deployment = target.deployment
-    prompt = tokenization.chat_prompt_ids(deployment.model_path, data["messages"])
+    tools, choice = data.get("tools") or [], data.get("tool_choice") or "none"
+    tool_fields = _tool_fields(
+        deployment, tools, choice, parallel=data.get("parallel_tool_calls") is not False
+    )
+    structured = tool_fields.pop("structured", None) or data.get("response_format")
+    prompt = tokenization.chat_prompt_ids(
+        deployment.model_path, data["messages"], tools=tools if choice != "none" else None
+    )
     requested = data.get("max_completion_tokens") or data.get("max_tokens")
     # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
     max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
@@ -210,15 +245,49 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         n=n,
         max_tokens=max_tokens,
         sampling_params=_sampling(
-            data, n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            data,
+            n=n,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            vocab=tokenization.vocab_size(deployment.model_path),
+            structured=structured,
+            structured_param="tools"
+            if tool_fields.get("tool_mode") in ("named", "required")
+            else ("response_format" if data.get("response_format") else "structured_outputs"),
         ),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        **tool_fields,
         stream=stream,
         include_usage=include_usage,
         service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
         **_caller_ids(data),
     )
+
+
+def _tool_fields(deployment: ModelDeployment, tools: list, choice: Any, *, parallel: bool) -> dict[str, Any]:
+    """The plan's tool fields for a tool_choice, and the grammar ("structured") a forced one needs."""
+    if choice == "none" or not tools:
+        return {}
+    if choice == "auto":
+        if not deployment.tool_call_parser:
+            raise InvalidRequestError(
+                f"The model `{deployment.name}` has no tool call parser configured, so tool_choice auto "
+                "is not available; use required or name a function.",
+                param="tool_choice",
+            )
+        return {"tool_mode": "auto", "tool_parser": deployment.tool_call_parser}
+    if choice == "required":
+        schema = required_tools_schema(tools, parallel=parallel)
+        return {"tool_mode": "required", "structured": {"json": schema, "disable_any_whitespace": True}}
+    name = choice["function"]["name"]
+    tool = next(t for t in tools if t["function"]["name"] == name)
+    return {
+        "tool_mode": "named",
+        "tool_name": name,
+        "structured": {"json": named_tool_schema(tool), "disable_any_whitespace": True},
+    }
 
 
 def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
@@ -270,7 +339,12 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
         n=n,
         max_tokens=engine_max_tokens,
         sampling_params=_sampling(
-            data, n=n, max_tokens=engine_max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            data,
+            n=n,
+            max_tokens=engine_max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            vocab=vocab,
         ),
         logprobs=logprobs,
         echo=echo,

@@ -31,6 +31,9 @@ LONG = (
 )
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
 def chat_body(world, content: str = "Hi there", **extra) -> dict:
     return {"model": world.model, "messages": [{"role": "user", "content": content}], **extra}
 
@@ -226,9 +229,38 @@ async def test_cache_salt_in_the_body_is_refused(world):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        (
+            {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"structured_outputs": {"regex": "(["}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+        ),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"temperature": 3}, "temperature"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
