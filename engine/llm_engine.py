@@ -179,8 +179,10 @@ class LLMEngine:
                 )
                 for i in range(sampling_params.n)
             ]
-            # A grammar still compiling: the request waits outside the scheduler until it is ready.
-            for seq in seqs if grammar is None or grammar.done() else ():
+            # A grammar still compiling: the request waits outside the scheduler until it is ready
+            # (decided once: the compile thread may finish at any moment).
+            compiled = grammar is None or grammar.done()
+            for seq in seqs if compiled else ():
                 self.scheduler.add(seq)
                 added.append(seq)
         except EngineError:
@@ -206,7 +208,7 @@ class LLMEngine:
         )
         self.num_prompt_tokens += len(prompt)
         if grammar is not None:
-            if grammar.done():
+            if compiled:
                 self.grammars.bind([s.seq_id for s in seqs], grammar.result())
             else:
                 self.grammars.waiting[request_id] = grammar

@@ -13,6 +13,9 @@ The rules, checked by tests/engine/test_structured_schemas.py:
   (U+0000-U+001F but CR and LF), which is not JSON, and the text of special tokens such as
   ``<|begin_of_text|>``. Where ``minLength``/``maxLength`` appear, a pattern with the same bounds
   carries them (xgrammar ignores the length keywords beside a pattern);
+- an optional group in a pattern is written ``{0,1}``, never ``?``: xgrammar 0.2.8 lets a string skip
+  the leading literal of a ``(...)?`` group that holds a variable repeat (``^a(-c{1,2})?$`` accepts
+  ``"ac"``);
 - no keyword that xgrammar 0.2.8 ignores is relied on: ``uniqueItems``, ``contains``, ``allOf``,
   ``not``, ``if``/``then``, ``dependentRequired``, ``patternProperties`` and ``multipleOf`` on numbers.
 """
@@ -52,7 +55,7 @@ def _array(items: Schema, max_items: int, min_items: int = 0) -> Schema:
 
 _BOOLEAN: Schema = {"type": "boolean"}
 _WORD = _string(r"^[A-Za-z]{1,12}$")
-_NAME = _string(r"^[A-Z][a-z]{1,9}( [A-Z][a-z]{1,9})?$")
+_NAME = _string(r"^[A-Z][a-z]{1,9}( [A-Z][a-z]{1,9}){0,1}$")
 _TEXT = _string(r"^[A-Za-z0-9 ,.]{0,24}$")
 _DATE = _string(r"^\d{4}-\d{2}-\d{2}$")
 _TIME = _string(r"^([01]\d|2[0-3]):[0-5]\d$")
@@ -449,7 +452,7 @@ _REALISTIC: list[tuple[str, Schema]] = [
             {
                 "level": {"enum": ["debug", "info", "warn", "error"]},
                 "time": _TIME,
-                "service": _string(r"^[a-z]{2,10}(-[a-z]{2,8})?$"),
+                "service": _string(r"^[a-z]{2,10}(-[a-z]{2,8}){0,1}$"),
                 "retries": _integer(0, 5),
             },
             ("level", "time", "service"),

@@ -17,11 +17,7 @@ from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.sampler import Sampler, apply_token_bitmask
 from engine.sampling_params import SamplingParams, SamplingParamsError
-
-try:
-    from tests.structured_schemas import SCHEMAS
-except ImportError:
-    SCHEMAS = []
+from tests.structured_schemas import SCHEMAS
 
 PERSON = {
     "type": "object",
@@ -53,7 +49,11 @@ def test_every_schema_of_the_corpus_gives_valid_json_on_a_random_weight_model(ti
     for (name, schema), out in zip(SCHEMAS, outs, strict=True):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", (name, completion.text)
-        _validate(schema, completion.text)
+        tokens = [tiny_llm.tokenizer.decode([t]) for t in completion.token_ids]
+        try:
+            _validate(schema, completion.text)
+        except jsonschema.ValidationError as exc:
+            raise AssertionError((name, completion.text, tokens)) from exc
 
 
 def test_a_batch_mixing_constrained_and_free_requests_gives_each_its_tokens_alone(tiny_llm: LLM) -> None:
