@@ -77,7 +77,12 @@ def main() -> None:
     prompts = [
         chat_prompt_token_ids(
             engine.tokenizer,
-            [{"role": "user", "content": f"Give an example {name.replace('_', ' ')} as JSON for: {json.dumps(s)}"}],
+            [
+                {
+                    "role": "user",
+                    "content": f"Give an example {name.replace('_', ' ')} as JSON for: {json.dumps(s)}",
+                }
+            ],
         )
         for name, s in SCHEMAS
     ]
