@@ -1,9 +1,9 @@
 """Batched token sampling with vLLM's processing order.
 
-logits → grammar bitmask (constrained rows) → [raw logprobs] → logit_bias → penalties (repetition over prompt+output, presence/frequency over output) → min_tokens
-(stop ids masked, except in constrained rows: there the grammar says when the output may end)
-→ greedy rows: argmax; random rows: temperature → top_k → top_p → min_p →
-inverse-CDF draw.
+logits → grammar bitmask (constrained rows) → [raw logprobs] → logit_bias → penalties (repetition
+over prompt+output, presence/frequency over output) → min_tokens (stop ids masked, except in
+constrained rows: there the grammar says when the output may end) → greedy rows: argmax; random
+rows: temperature → top_k → top_p → min_p → inverse-CDF draw.
 
 Each random row takes one uniform number. Seeded rows draw it from their own torch.Generator and
 nothing else, so a seeded request's tokens depend only on its seed and its own logits, not on

@@ -13,7 +13,8 @@ import collections
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -122,9 +123,6 @@ class GrammarRequests:
     def wait(self, timeout: float) -> None:
         """Block until a waiting grammar is done or `timeout` passes: an engine with nothing else to
         run must not spin."""
-        from concurrent.futures import FIRST_COMPLETED
-        from concurrent.futures import wait as wait_futures
-
         if self.waiting:
             wait_futures(list(self.waiting.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 

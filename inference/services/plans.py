@@ -146,7 +146,7 @@ def _sampling(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
-    vocab: int,
+    model_path: str,
     structured: dict[str, Any] | None = None,
     structured_param: str = "structured_outputs",
 ) -> dict[str, Any]:
@@ -154,6 +154,8 @@ def _sampling(
     params.update(n=n, max_tokens=max_tokens, stop=list(data.get("stop") or []))
     bias = data.get("logit_bias")
     if bias:
+        # The vocabulary only when there is a bias to check: most requests have none.
+        vocab = tokenization.vocab_size(model_path)
         if any(t >= vocab for t in bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}).", param="logit_bias")
         params["logit_bias"] = {str(t): b for t, b in bias.items()}
@@ -250,7 +252,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            vocab=tokenization.vocab_size(deployment.model_path),
+            model_path=deployment.model_path,
             structured=structured,
             structured_param="tools"
             if tool_fields.get("tool_mode") in ("named", "required")
@@ -344,7 +346,7 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
             max_tokens=engine_max_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            vocab=vocab,
+            model_path=deployment.model_path,
         ),
         logprobs=logprobs,
         echo=echo,

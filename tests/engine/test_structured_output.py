@@ -171,9 +171,7 @@ def test_a_grammar_compiles_off_the_step_loop_while_other_requests_run(tiny_llm:
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out.outputs[0].text
-        assert json.loads(finished["slow"]) == json.loads(finished["slow"]) and finished["slow"].startswith(
-            "["
-        )
+        assert finished["slow"].startswith("[")
         _validate(schema, finished["slow"])
     finally:
         manager._compile = compile_grammar
