@@ -14,6 +14,10 @@ project). Per dtype (float32 and bfloat16) each side reports:
 - prefix cache: the same with a 1,024-token prefix, cold (every prefix new) and warm (the prefix
   cached by an earlier request), each request with its own 32-token suffix.
 
+Time-to-first-token requests go to the two engines in turn, one request at a time (the first engine
+flipped every request), so that a slow spell of the machine falls on both alike; each series'
+ratio is the median of the per-pair ratios.
+
 Pagoda's run also prints its per-step profile (schedule, prepare, forward, sample, detokenize,
 output). The final line is JSON: each side's figures, the ratios (Pagoda over vLLM) and the
 agreement.
@@ -136,14 +140,11 @@ class VllmSide:
         return None
 
 
-def _latencies(side, prompts: list[list[int]]) -> list[float]:
-    """Time to first token of each prompt sent alone: a one-token generation."""
-    out = []
-    for prompt in prompts:
-        start = time.perf_counter()
-        side.generate([prompt], [side.params(1)])
-        out.append((time.perf_counter() - start) * 1000)
-    return out
+def _ttft_ms(side, prompt: list[int]) -> float:
+    """Time to first token of a prompt sent alone: a one-token generation."""
+    start = time.perf_counter()
+    side.generate([prompt], [side.params(1)])
+    return (time.perf_counter() - start) * 1000
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -152,7 +153,7 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def worker(system: str, dtype: str, spec_path: Path, result_fd: int) -> None:
     """Runs in the system's own virtualenv: loads the engine, then answers commands read from stdin
-    (``latency``, ``throughput R``, ``quit``) with one JSON line each on ``result_fd``, so that the
+    (``ttft SERIES I``, ``seed``, ``throughput R``, ``quit``) with one JSON line each on ``result_fd``, so that the
     two engines can be stepped in turn while both stay loaded."""
     import torch
 
@@ -169,20 +170,11 @@ def worker(system: str, dtype: str, spec_path: Path, result_fd: int) -> None:
         command = line.split()
         if not command or command[0] == "quit":
             break
-        if command[0] == "latency":
-            ttft = _latencies(side, spec["low_load"])
-            cold = _latencies(side, spec["prefix_cold"])
+        if command[0] == "ttft":  # ttft SERIES I: request I of a time-to-first-token series
+            result = {"ms": round(_ttft_ms(side, spec[command[1]][int(command[2])]), 2)}
+        elif command[0] == "seed":  # the warm series' prefix, cached before that series
             side.generate([spec["prefix_warm_seed"]], [side.params(1)])
-            warm = _latencies(side, spec["prefix_warm"])
-            log(
-                f"{system} {dtype}: ttft p50 {percentile(ttft, 50):.0f} ms, cold {percentile(cold, 50):.0f} ms,"
-                f" warm {percentile(warm, 50):.0f} ms"
-            )
-            result = {
-                "ttft_low_load": _summary(ttft),
-                "ttft_prefix_cold": _summary(cold),
-                "ttft_prefix_warm": _summary(warm),
-            }
+            result = {}
         else:  # throughput R: round R's workload
             round_ = int(command[1])
             requests = spec["rounds"][round_]
@@ -253,6 +245,35 @@ class Worker:
             self.proc.wait(timeout=120)
 
 
+TTFT_SERIES = {
+    "ttft_low_load": "low_load",
+    "ttft_prefix_cold": "prefix_cold",
+    "ttft_prefix_warm": "prefix_warm",
+}
+
+
+def ttft_series(workers: dict[str, Worker], spec: dict, runs: dict[str, dict]) -> dict[str, list[float]]:
+    """Each time-to-first-token series, its requests sent to the engines in turn (the first engine
+    flipped every request): a slow spell of the machine falls on both alike. Fills each side's p50
+    and p99 into ``runs`` and returns, per series, the per-pair ratios (Pagoda over vLLM)."""
+    systems = list(workers)
+    pair_ratios: dict[str, list[float]] = {}
+    for key, series in TTFT_SERIES.items():
+        if series == "prefix_warm":
+            for w in workers.values():
+                w.ask("seed")
+        times: dict[str, list[float]] = {s: [] for s in systems}
+        for i in range(len(spec[series])):
+            for s in systems if i % 2 == 0 else systems[::-1]:
+                times[s].append(workers[s].ask(f"ttft {series} {i}")["ms"])
+        for s in systems:
+            runs[s][key] = _summary(times[s])
+        if "vllm" in times:
+            pair_ratios[key] = [a / b for a, b in zip(times["pagoda"], times["vllm"], strict=True)]
+        log(" ".join(f"{s} {key} p50 {percentile(times[s], 50):.0f} ms;" for s in systems))
+    return pair_ratios
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, object]:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     first_diff = []
@@ -276,9 +297,11 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(Path.home() / ".cache/pagoda/vllm-venv/bin/python"))
     parser.add_argument("--skip-vllm", action="store_true", help="Pagoda alone (no ratios)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per engine, taken in turn")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="throughput rounds per engine, taken in turn (0: latency only)"
+    )
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--num-ttft", type=int, default=8, help="requests per time-to-first-token series")
+    parser.add_argument("--num-ttft", type=int, default=24, help="requests per time-to-first-token series")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -299,13 +322,12 @@ def main() -> None:
 
     model_dir = real_model_dir()
     spec = build_spec(model_dir, args)
-    first = spec["rounds"][0]
     result: dict[str, object] = {
         "bench": "vs_vllm",
         "model": model_dir.name,
         "threads": args.threads,
         "rounds": args.rounds,
-        "num_requests": len(first),
+        "num_requests": args.num_requests,
         "prompt_tokens_per_round": [sum(len(p) for p, _ in r) for r in spec["rounds"]],
         "output_tokens_per_round": [sum(n for _, n in r) for r in spec["rounds"]],
         "loadavg_before": os.getloadavg()[0],
@@ -318,8 +340,7 @@ def main() -> None:
             workers = {s: Worker(s, dtype, spec_path, args) for s in systems}
             try:
                 runs: dict[str, dict] = {s: {"startup_s": w.startup_s} for s, w in workers.items()}
-                for s, w in workers.items():
-                    runs[s].update(w.ask("latency"))
+                pair_ratios = ttft_series(workers, spec, runs)
                 ids: dict[str, list] = {s: [] for s in systems}
                 rates: dict[str, list[float]] = {s: [] for s in systems}
                 for r in range(args.rounds):
@@ -336,18 +357,21 @@ def main() -> None:
                     w.close()
             entry: dict[str, object] = {}
             for s in systems:
-                runs[s]["output_tok_s_by_round"] = rates[s]
-                runs[s]["output_tok_s"] = round(statistics.median(rates[s]), 1)
+                if rates[s]:
+                    runs[s]["output_tok_s_by_round"] = rates[s]
+                    runs[s]["output_tok_s"] = round(statistics.median(rates[s]), 1)
                 entry[s] = runs[s]
             if "vllm" in runs:
                 p, v = runs["pagoda"], runs["vllm"]
+                for key in TTFT_SERIES:
+                    entry[f"{key}_p50_ratio"] = round(p[key]["p50_ms"] / v[key]["p50_ms"], 3)
+                    entry[f"{key}_pair_ratio_median"] = round(statistics.median(pair_ratios[key]), 3)
+            if "vllm" in runs and args.rounds:
                 entry["agreement"] = agreement(ids["pagoda"], ids["vllm"])
                 entry["output_tok_s_ratio"] = round(p["output_tok_s"] / v["output_tok_s"], 3)
                 entry["output_tok_s_ratio_by_round"] = [
                     round(a / b, 3) for a, b in zip(rates["pagoda"], rates["vllm"], strict=True)
                 ]
-                for key in ("ttft_low_load", "ttft_prefix_cold", "ttft_prefix_warm"):
-                    entry[f"{key}_p50_ratio"] = round(p[key]["p50_ms"] / v[key]["p50_ms"], 3)
                 log(
                     f"{dtype}: pagoda {p['output_tok_s']} vs vllm {v['output_tok_s']} tok/s (medians) = "
                     f"{entry['output_tok_s_ratio']}x, by round {entry['output_tok_s_ratio_by_round']}; "

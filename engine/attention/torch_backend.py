@@ -14,9 +14,11 @@ it again, see TorchAttentionBackend); a layer itself only stores its K/V, gather
 - A chunk that follows cached tokens gathers its context and uses a causal mask offset by them.
 
 On CPU the decode rows go to a C kernel that reads the paged cache in place
-(kernels.cpu_paged_decode_attention) when it could be compiled; otherwise, and off CPU, they take
-the gather path above, whose gathers land in workspaces kept across steps on CPU: a fresh tensor of
-tens of megabytes per layer costs more in page faults than the copy itself.
+(kernels.cpu_paged_decode_attention) when it could be compiled, and so do the prompt chunks, fresh
+or following cached tokens (kernels.cpu_paged_prefill_attention: no gather, no masks, about twice
+torch's flash attention on short chunks); otherwise, and off CPU, they take the paths above, whose
+gathers land in workspaces kept across steps on CPU: a fresh tensor of tens of megabytes per layer
+costs more in page faults than the copy itself.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from kernels import cpu_paged_decode_attention as cpu_kernel
+from kernels import cpu_paged_prefill_attention as cpu_prefill
 
 
 def store_kv(
@@ -87,6 +90,7 @@ class _StepPlan:
     decodes: list[_DecodePlan] = field(default_factory=list)
     chunks: list[_ChunkPlan] = field(default_factory=list)
     kernel_decodes: _KernelDecodes | None = None
+    kernel_chunks: cpu_prefill.ChunkTable | None = None  # the prompt chunks, for the CPU kernel
 
 
 def _plan_decode(
@@ -137,10 +141,15 @@ def _plan_decodes(
 
 
 def plan_step(
-    metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, decode_kernel: bool = False
+    metadata: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    decode_kernel: bool = False,
+    prefill_kernel: bool = False,
 ) -> _StepPlan:
     """Everything about a step's layout that does not depend on the layer. With ``decode_kernel``
-    the decode rows are left to the CPU kernel (kernel_decodes) instead of gather plans.
+    the decode rows are left to the CPU kernel (kernel_decodes) instead of gather plans, and with
+    ``prefill_kernel`` the prompt chunks to the CPU prefill kernel (kernel_chunks).
 
     Off CPU, a decode-only step is planned from device tensors and the host max_seq_len only, as
     one group, so that it can be captured in a CUDA graph (whose host lengths are upper bounds).
@@ -156,12 +165,15 @@ def plan_step(
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
     chunks: list[_ChunkPlan] = []
+    kernel_chunks: list[tuple[int, int, int, int]] = []  # (sequence, first row, q_len, seq_len)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
         end = start + q_len
         if q_len == 1:
             decode_rows.append(start)
             decode_seqs.append(i)
+        elif q_len > 1 and prefill_kernel:
+            kernel_chunks.append((i, start, q_len, seq_len))
         elif q_len == seq_len:
             chunks.append(_ChunkPlan(start, end, seq_len, None, None))
         elif q_len > 1:
@@ -172,6 +184,7 @@ def plan_step(
             mask = torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
             chunks.append(_ChunkPlan(start, end, seq_len, blocks, mask))
         start = end
+    table = cpu_prefill.ChunkTable(*map(list, zip(*kernel_chunks, strict=True))) if kernel_chunks else None
     if decode_rows and decode_kernel:
         index = torch.tensor(decode_seqs, dtype=torch.long, device=device)
         kernel = _KernelDecodes(
@@ -179,9 +192,9 @@ def plan_step(
             metadata.block_tables.index_select(0, index),
             metadata.seq_lens.index_select(0, index).to(torch.int32),
         )
-        return _StepPlan([], chunks, kernel)
+        return _StepPlan([], chunks, kernel, table)
     decodes = _plan_decodes(metadata, decode_seqs, decode_rows, block_size, dtype) if decode_rows else []
-    return _StepPlan(decodes, chunks)
+    return _StepPlan(decodes, chunks, None, table)
 
 
 def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
@@ -198,9 +211,10 @@ class TorchAttentionBackend:
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
         self._workspaces: dict[str, torch.Tensor] = {}
-        # The C decode kernel on CPU: None until the first CPU forward asks whether it compiled.
-        # Tests set it False to run the gather path.
+        # The C kernels on CPU: None until the first CPU forward asks whether they compiled. Tests
+        # set them False to run the torch paths.
         self.use_cpu_kernel: bool | None = None
+        self.use_cpu_prefill_kernel: bool | None = None
 
     def _decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if q.device.type != "cpu":
@@ -208,6 +222,13 @@ class TorchAttentionBackend:
         if self.use_cpu_kernel is None:
             self.use_cpu_kernel = cpu_kernel.available()
         return self.use_cpu_kernel and cpu_kernel.supports(q, k_cache)
+
+    def _prefill_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if q.device.type != "cpu":
+            return False
+        if self.use_cpu_prefill_kernel is None:
+            self.use_cpu_prefill_kernel = cpu_prefill.available()
+        return self.use_cpu_prefill_kernel and cpu_prefill.supports(q, k_cache)
 
     def forward(
         self,
@@ -229,10 +250,22 @@ class TorchAttentionBackend:
             return cpu_kernel.paged_decode_attention_cpu(
                 _heads_contiguous(q), k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale
             )
-        plan = self._step_plan(metadata, k_cache.shape[1], q.dtype, q.device, kernel)
+        plan = self._step_plan(
+            metadata, k_cache.shape[1], q.dtype, q.device, kernel, self._prefill_kernel(q, k_cache)
+        )
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decode(q, k_cache, v_cache, plan.decodes[0], scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if plan.kernel_chunks is not None:
+            cpu_prefill.paged_prefill_attention_cpu(
+                _heads_contiguous(q),
+                k_cache,
+                v_cache,
+                metadata.block_tables,
+                plan.kernel_chunks,
+                scale,
+                out=out,
+            )
         if plan.kernel_decodes is not None:
             d = plan.kernel_decodes
             cpu_kernel.paged_decode_attention_cpu(
@@ -259,11 +292,12 @@ class TorchAttentionBackend:
         dtype: torch.dtype,
         device: torch.device,
         decode_kernel: bool = False,
+        prefill_kernel: bool = False,
     ) -> _StepPlan:
         if device.type != "cpu":
             return plan_step(metadata, block_size, dtype)
         if self._plan_metadata is not metadata or self._plan is None:
-            self._plan = plan_step(metadata, block_size, dtype, decode_kernel)
+            self._plan = plan_step(metadata, block_size, dtype, decode_kernel, prefill_kernel)
             self._plan_metadata = metadata
         return self._plan
 

@@ -8,6 +8,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels import cpu_paged_decode_attention as cpu_kernel
+from kernels import cpu_paged_prefill_attention as cpu_prefill
 from kernels.reference import ref_paged_attention, ref_store_kvcache
 from tests.kernels.helpers import DTYPES, PagedBatch, assert_close, make_paged_batch
 
@@ -47,30 +48,33 @@ def _expected(batch: PagedBatch, scale: float) -> tuple[torch.Tensor, torch.Tens
     return out, k_cache
 
 
-def _backend(decode_path: str) -> TorchAttentionBackend:
+def _backend(path: str) -> TorchAttentionBackend:
     backend = TorchAttentionBackend()
-    if decode_path == "gather":
+    if path == "torch":
         backend.use_cpu_kernel = False
+        backend.use_cpu_prefill_kernel = False
     else:
         assert cpu_kernel.available(), "the CPU decode kernel must compile on this machine"
+        assert cpu_prefill.available(), "the CPU prefill kernel must compile on this machine"
     return backend
 
 
-# Decode rows take the C kernel on CPU when it compiled, the gather path otherwise: both are tested.
-DECODE_PATHS = ["kernel", "gather"]
+# Decode rows and prompt chunks take the C kernels on CPU when they compiled, the torch paths
+# (gathers, flash attention) otherwise: both are tested.
+PATHS = ["kernels", "torch"]
 
 
-@pytest.mark.parametrize("decode_path", DECODE_PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("query_lens", "seq_lens"), BATCHES)
-def test_the_torch_backend_matches_the_reference(dtype, group, query_lens, seq_lens, decode_path):
+def test_the_torch_backend_matches_the_reference(dtype, group, query_lens, seq_lens, path):
     batch = make_paged_batch(
         query_lens, seq_lens, num_kv_heads=2, group=group, head_dim=32, dtype=dtype, device="cpu"
     )
     expected, expected_k_cache = _expected(batch, 0.2)
 
-    out = _backend(decode_path).forward(
+    out = _backend(path).forward(
         batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, _metadata(batch), 0.2
     )
 
@@ -78,10 +82,10 @@ def test_the_torch_backend_matches_the_reference(dtype, group, query_lens, seq_l
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("decode_path", DECODE_PATHS)
-def test_one_backend_serves_successive_steps_of_every_shape(decode_path):
+@pytest.mark.parametrize("path", PATHS)
+def test_one_backend_serves_successive_steps_of_every_shape(path):
     # given one backend instance, as a model holds it, fed steps of growing and shrinking sizes
-    backend = _backend(decode_path)
+    backend = _backend(path)
     for seed, (query_lens, seq_lens) in enumerate([*BATCHES, ([1] * 9, [1000, *range(1, 9)]), *BATCHES]):
         batch = make_paged_batch(
             query_lens,

@@ -1,0 +1,162 @@
+"""Causal attention for prompt chunks on the CPU, in C, over the paged KV cache.
+
+A chunk's queries attend over everything its sequence has cached, its own keys and values included
+(the caller stores them first), in one call for every chunk of a step: no gather of a cached
+context into a contiguous batch and no mask tensors, where the torch path builds both for a chunk
+that follows cached tokens. The query tiles hold every query head of a GQA group, so each key and
+value serves the whole group. The source (kernels/cpu/paged_prefill_attention.c) is compiled on
+first use (kernels._cpu_build) and called through ctypes; its threads are those of torch's OpenMP
+runtime. Where it cannot be built (no compiler, or PAGODA_CPU_KERNELS=0) `available()` is False and
+the torch path runs instead.
+
+Reference: kernels.reference.ref_paged_attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import _cpu_build
+
+_SIGNATURES = {
+    "paged_prefill_attention": (
+        ctypes.c_int,
+        [
+            ctypes.c_void_p,  # q
+            ctypes.c_int64,  # q_stride
+            ctypes.c_void_p,  # k_cache
+            ctypes.c_void_p,  # v_cache
+            ctypes.c_int,  # is_bf16
+            ctypes.c_void_p,  # block_tables
+            ctypes.c_int64,  # bt_stride
+            ctypes.c_void_p,  # chunk_seq
+            ctypes.c_void_p,  # q_start
+            ctypes.c_void_p,  # q_len
+            ctypes.c_void_p,  # seq_len
+            ctypes.c_int,  # num_chunks
+            ctypes.c_int,  # num_heads
+            ctypes.c_int,  # num_kv_heads
+            ctypes.c_int,  # head_dim
+            ctypes.c_int,  # block_size
+            ctypes.c_float,  # scale
+            ctypes.c_void_p,  # out
+            ctypes.c_int,  # num_threads
+        ],
+    ),
+}
+
+# Query rows per tile at most (the kernel's MAX_RV * VL): a GQA group must fit in one.
+_MAX_ROWS = 48
+_MAX_HEAD_DIM = 256
+
+
+def _load() -> ctypes.CDLL | None:
+    return _cpu_build.load("paged_prefill_attention", _SIGNATURES)
+
+
+def available() -> bool:
+    """True when the kernel is compiled and loaded (compiling it on the first call)."""
+    return _load() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel handles these shapes and dtypes (the torch path handles the rest)."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == q.dtype
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= _MAX_ROWS
+        and q.shape[2] % 8 == 0
+        and q.shape[2] <= _MAX_HEAD_DIM
+    )
+
+
+class ChunkTable:
+    """The prompt chunks of a step, as the kernel reads them: for chunk c, sequence ``seqs[c]``
+    (its row of the block tables), query rows ``starts[c]`` onwards, ``query_lens[c]`` of them, and
+    a context of ``seq_lens[c]`` tokens, the chunk's own last."""
+
+    __slots__ = ("seqs", "starts", "query_lens", "seq_lens")
+
+    def __init__(
+        self, seqs: list[int], starts: list[int], query_lens: list[int], seq_lens: list[int]
+    ) -> None:
+        if not (len(seqs) == len(starts) == len(query_lens) == len(seq_lens)):
+            raise ValueError("chunk lists of different lengths")
+        if any(not 1 <= q <= n for q, n in zip(query_lens, seq_lens, strict=True)):
+            raise ValueError("each chunk needs 1 <= query_len <= seq_len")
+        self.seqs = torch.tensor(seqs, dtype=torch.int32)
+        self.starts = torch.tensor(starts, dtype=torch.int64)
+        self.query_lens = torch.tensor(query_lens, dtype=torch.int32)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def __len__(self) -> int:
+        return self.seqs.shape[0]
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,  # (num_rows, num_heads, head_dim), each row's heads contiguous
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    chunks: ChunkTable,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # (num_rows, num_heads, head_dim), written in the chunks' rows
+) -> torch.Tensor:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU prefill attention kernel is not available")
+    if not supports(q, k_cache):
+        raise ValueError(
+            f"unsupported prefill attention: q {tuple(q.shape)} {q.dtype}, cache {k_cache.dtype}"
+        )
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        raise ValueError("q's heads must be contiguous within a row (rows may be apart)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must match")
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be int32 with contiguous rows")
+    num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be contiguous and shaped like q")
+    if len(chunks) == 0:
+        return out
+    if int(chunks.seqs.max()) >= block_tables.shape[0]:
+        raise ValueError("a chunk names a sequence beyond the block tables")
+    if int((chunks.starts + chunks.query_lens).max()) > q.shape[0]:
+        raise ValueError("a chunk's query rows run past q")
+    status = lib.paged_prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(q.dtype == torch.bfloat16),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        chunks.seqs.data_ptr(),
+        chunks.starts.data_ptr(),
+        chunks.query_lens.data_ptr(),
+        chunks.seq_lens.data_ptr(),
+        len(chunks),
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        float(scale),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == 2:
+        raise MemoryError("prefill attention: out of memory for the tile buffers")
+    if status != 0:
+        raise ValueError("prefill attention: sizes beyond the kernel's limits")
+    return out

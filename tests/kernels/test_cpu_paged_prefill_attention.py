@@ -1,0 +1,140 @@
+"""The C paged prefill attention kernel for the CPU against the slow reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_paged_prefill_attention as cpu_prefill
+from kernels.reference import ref_paged_attention, ref_store_kvcache
+from tests.kernels.helpers import DTYPES, assert_close, make_paged_batch
+
+pytestmark = pytest.mark.skipif(not cpu_prefill.available(), reason="no C compiler on this machine")
+
+
+def _batch(query_lens, seq_lens, *, group, dtype=torch.float32, head_dim=64, block_size=16, seed=0):
+    batch = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=3,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cpu",
+        block_size=block_size,
+        seed=seed,
+    )
+    ref_store_kvcache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    return batch
+
+
+def _chunks(batch) -> cpu_prefill.ChunkTable:
+    starts = batch.query_start_loc.tolist()[:-1]
+    return cpu_prefill.ChunkTable(
+        list(range(len(batch.query_lens))), starts, batch.query_lens, batch.seq_lens_list
+    )
+
+
+def _expected(batch, scale):
+    return ref_paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+    )
+
+
+# (query_lens, seq_lens): fresh prompts (q_len == seq_len) shorter and longer than a query tile and
+# a 64-key softmax block, chunks that follow cached tokens (a warm prefix), a chunk of two tokens,
+# and several chunks in one call; partial last blocks throughout.
+CHUNKS = [
+    ([5], [5]),
+    ([128], [128]),
+    ([2], [300]),
+    ([32], [1056]),
+    ([17, 64, 3], [17, 200, 3]),
+    ([65, 40, 9], [65, 41, 129]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize(("query_lens", "seq_lens"), CHUNKS)
+def test_the_kernel_matches_the_reference_on_prompt_chunks(dtype, group, head_dim, query_lens, seq_lens):
+    # given prompt chunks whose contexts lie in blocks scattered over a shuffled pool
+    batch = _batch(query_lens, seq_lens, group=group, dtype=dtype, head_dim=head_dim)
+    expected = _expected(batch, 0.125)
+
+    # when the kernel attends causally, in place over the paged cache
+    out = cpu_prefill.paged_prefill_attention_cpu(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, _chunks(batch), 0.125
+    )
+
+    # then every row equals the reference within the dtype's tolerance
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_any_power_of_two_block_size_is_read_through_the_block_table(block_size):
+    batch = _batch([20, 50], [90, 50], group=3, block_size=block_size, seed=4)
+    out = cpu_prefill.paged_prefill_attention_cpu(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, _chunks(batch), 0.3
+    )
+    assert_close(out, _expected(batch, 0.3), torch.float32)
+
+
+def test_chunks_write_their_own_rows_and_leave_the_others():
+    # given two chunks whose queries sit at rows 3-8 and 12-15 of a 20-row step whose other rows
+    # are decodes, the queries a view into a wider projection (rows apart, heads contiguous)
+    batch = _batch([6, 4], [40, 4], group=3, seed=2)
+    num_heads, head_dim = batch.q.shape[1:]
+    wide = torch.randn(20, num_heads * head_dim + 96)
+    q = wide[:, : num_heads * head_dim].view(20, num_heads, head_dim)
+    q[3:9] = batch.q[:6]
+    q[12:16] = batch.q[6:]
+    out = torch.full((20, num_heads, head_dim), 7.0)
+    chunks = cpu_prefill.ChunkTable([0, 1], [3, 12], [6, 4], [40, 4])
+
+    # when the kernel writes through the chunk table
+    cpu_prefill.paged_prefill_attention_cpu(
+        q, batch.k_cache, batch.v_cache, batch.block_tables, chunks, 0.125, out=out
+    )
+
+    # then the chunks' rows hold the attention and every other row is untouched
+    expected = _expected(batch, 0.125)
+    assert_close(out[3:9], expected[:6], torch.float32)
+    assert_close(out[12:16], expected[6:], torch.float32)
+    others = [i for i in range(20) if not (3 <= i < 9 or 12 <= i < 16)]
+    assert torch.equal(out[others], torch.full_like(out[others], 7.0))
+
+
+def test_the_result_does_not_depend_on_the_number_of_threads():
+    batch = _batch([100, 7, 33], [100, 300, 90], group=3, seed=5)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, _chunks(batch), 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_prefill.paged_prefill_attention_cpu(*args)
+        torch.set_num_threads(2)
+        two = cpu_prefill.paged_prefill_attention_cpu(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_bad_inputs_are_refused_before_the_kernel_runs():
+    batch = _batch([20, 30], [20, 60], group=3)
+    chunks = _chunks(batch)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_prefill.paged_prefill_attention_cpu(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables.long(), chunks, 0.1
+        )
+    with pytest.raises(ValueError, match="run past q"):
+        cpu_prefill.paged_prefill_attention_cpu(
+            batch.q[:30], batch.k_cache, batch.v_cache, batch.block_tables, chunks, 0.1
+        )
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_prefill.paged_prefill_attention_cpu(
+            batch.q.half(), batch.k_cache.half(), batch.v_cache.half(), batch.block_tables, chunks, 0.1
+        )
+    with pytest.raises(ValueError, match="query_len <= seq_len"):
+        cpu_prefill.ChunkTable([0], [0], [5], [4])
