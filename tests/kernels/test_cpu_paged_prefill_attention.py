@@ -37,7 +37,13 @@ def _chunks(batch) -> cpu_prefill.ChunkTable:
 
 def _expected(batch, scale):
     return ref_paged_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
     )
 
 
