@@ -270,7 +270,7 @@ def ttft_series(workers: dict[str, Worker], spec: dict, runs: dict[str, dict]) -
             runs[s][key] = _summary(times[s])
         if "vllm" in times:
             pair_ratios[key] = [a / b for a, b in zip(times["pagoda"], times["vllm"], strict=True)]
-        log(" ".join(f"{s} {key} p50 {percentile(times[s], 50):.0f} ms;" for s in systems))
+        log(" ".join(f"{s} {key} p50 {percentile(times[s], 50):.0f} ms, each {times[s]};" for s in systems))
     return pair_ratios
 
 

@@ -37,17 +37,14 @@
 /* Query tokens per tile: as many as fill 48 rows (tokens times the GQA group). */
 static inline int tile_tokens(int group) { return MAX_RV * VL / group; }
 
-/* The cache row of token t (a sequence position) for one KV head. */
-static inline int64_t cache_offset(const int32_t *table, int t, int block_size, int64_t token_stride, int64_t head_off) {
-    return ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + head_off;
-}
-
 /* Rows of n keys (or values) from position k0: pointers into the cache where it holds float32,
- * else rows widened into buf (n x head_dim). */
-static inline void key_rows(const void *cache, int is_bf16, const int32_t *table, int k0, int n, int block_size,
+ * else rows widened into buf (n x head_dim). The block size is a power of two, 1 << block_shift. */
+static inline void key_rows(const void *cache, int is_bf16, const int32_t *table, int k0, int n, int block_shift,
                             int64_t token_stride, int64_t head_off, int head_dim, const float **rows, float *buf) {
+    const int mask = (1 << block_shift) - 1;
     for (int j = 0; j < n; j++) {
-        int64_t off = cache_offset(table, k0 + j, block_size, token_stride, head_off);
+        int t = k0 + j;
+        int64_t off = (((int64_t)table[t >> block_shift] << block_shift) + (t & mask)) * token_stride + head_off;
         if (is_bf16) {
             bf16_row_to_float((const uint16_t *)cache + off, buf + (int64_t)j * head_dim, head_dim);
             rows[j] = buf + (int64_t)j * head_dim;
@@ -254,6 +251,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     int32_t *pos = (int32_t *)(l + ldr); /* each row's own position: its last key */
     float *kbuf = l + 2 * ldr, *vbuf = kbuf + (size_t)KB * head_dim;
     const int offset = seq_len - q_len; /* context tokens before the chunk */
+    const int block_shift = __builtin_ctz((unsigned)block_size);
     float qrow[MAX_HEAD_DIM];
     for (int r = 0; r < RV * VL; r++) {
         if (r < rows) {
@@ -278,10 +276,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *keys[KB], *values[KB];
     for (int k0 = 0; k0 < end; k0 += KB) {
         int n = end - k0 < KB ? end - k0 : KB;
-        key_rows(k_cache, is_bf16, table, k0, n, block_size, token_stride, head_off, head_dim, keys, kbuf);
+        key_rows(k_cache, is_bf16, table, k0, n, block_shift, token_stride, head_off, head_dim, keys, kbuf);
         scores_block(qt, ldr, keys, n, head_dim, st, RV);
         softmax_block(st, ldr, n, k0, k0 + n > unmasked, pos, m, l, ot, head_dim, RV);
-        key_rows(v_cache, is_bf16, table, k0, n, block_size, token_stride, head_off, head_dim, values, vbuf);
+        key_rows(v_cache, is_bf16, table, k0, n, block_shift, token_stride, head_off, head_dim, values, vbuf);
         accumulate_block(ot, ldr, values, n, head_dim, st, RV);
     }
     for (int r = 0; r < rows; r++) {
@@ -319,7 +317,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
                             int num_threads) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || head_dim > MAX_HEAD_DIM ||
-        head_dim % KG != 0)
+        head_dim % KG != 0 || block_size < 1 || (block_size & (block_size - 1)) != 0)
         return 1;
     const int group = num_heads / num_kv_heads;
     if (group > MAX_RV * VL) return 1;
