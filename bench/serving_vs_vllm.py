@@ -8,7 +8,10 @@ virtualenv (see bench/vs_vllm.py for how to make it), started with the same engi
 dtype, threads, max_num_seqs, max_num_batched_tokens, context length, KV cache size, prefix caching).
 
 Both servers stay up for the whole run and each load profile is measured on one and then the other,
-so both see the machine in the same state. The load is GuideLLM's (a development dependency):
+so both see the machine in the same state; with --rounds N every profile is measured N times, the
+first server flipped every time, and each figure is the median of its rounds (this shared machine
+has slow spells of minutes). Every (round, profile) has prompts of its own (GuideLLM's seed), the
+same for both servers, so no run finds an earlier one's prompts in the prefix cache. The load is GuideLLM's (a development dependency):
 streamed chat completions of synthetic prompts of --prompt-tokens tokens, --output-tokens tokens each
 (ignore_eos), `concurrent` profiles at each of --concurrency, --requests requests each (at least
 2 x the concurrency), after a warm-up. Goodput is the rate of requests meeting the SLO
@@ -30,6 +33,7 @@ import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -167,6 +171,7 @@ def run_guidellm(
     out_dir: Path,
     label: str,
     pids: dict[str, int],
+    seed: int,
 ) -> dict[str, Any]:
     """One GuideLLM `concurrent` benchmark; returns its figures (see METRICS) and goodput."""
     report = out_dir / f"{label}.json"
@@ -190,7 +195,7 @@ def run_guidellm(
         ],
         "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer_dir)},
         "constraints": [{"kind": "max_requests", "count": requests}],
-        "seed": {"kind": "static", "value": args.seed},
+        "seed": {"kind": "static", "value": seed},
         "outputs": [{"kind": "json", "path": str(report)}],
         "metrics": {"kind": "generative", "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_itl_ms}},
     }
@@ -264,6 +269,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over a profile's rounds (each round's figures kept under "rounds")."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: _median([r[key][k] for r in runs]) for k in value}
+        elif isinstance(value, int | float):
+            out[key] = _median([r[key] for r in runs])
+    out["rounds"] = runs
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -284,6 +305,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of every profile per server")
     parser.add_argument("--profile-timeout-s", type=float, default=900.0)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -303,7 +325,10 @@ def main() -> None:
         max_model_len=args.max_model_len,
     )
     vllm: VllmServer | None = None
-    results: dict[str, dict[int, dict[str, Any]]] = {"pagoda": {}, "vllm": {}}
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {
+        "pagoda": {level: [] for level in levels},
+        "vllm": {level: [] for level in levels},
+    }
     try:
         if not args.skip_vllm:
             log("starting vllm serve (about 90 s)")
@@ -328,22 +353,28 @@ def main() -> None:
                 with contextlib.suppress(OSError):
                     vllm_pids[f"{Path(f'/proc/{child}/comm').read_text().strip()}:{child}"] = -child
             sides.append(("vllm", vllm.base_url, vllm.name, vllm.api_key, vllm_pids))
-        for level in levels:
-            requests = max(args.requests, 2 * level)
-            for name, target, model, key, pids in sides:
-                log(f"{name}: concurrency {level}, {requests} requests")
-                results[name][level] = run_guidellm(
-                    target=target,
-                    model=model,
-                    api_key=key,
-                    tokenizer_dir=model_dir,
-                    concurrency=level,
-                    requests=requests,
-                    args=args,
-                    out_dir=out_dir,
-                    label=f"{name}-c{level}",
-                    pids=pids,
-                )
+        for round_ in range(args.rounds):
+            for i, level in enumerate(levels):
+                requests = max(args.requests, 2 * level)
+                # Taken in turn, the first server flipped every time: a slow spell of this shared
+                # machine falls on both alike.
+                for name, target, model, key, pids in sides if (round_ + i) % 2 == 0 else sides[::-1]:
+                    log(f"{name}: round {round_ + 1}, concurrency {level}, {requests} requests")
+                    runs[name][level].append(
+                        run_guidellm(
+                            target=target,
+                            model=model,
+                            api_key=key,
+                            tokenizer_dir=model_dir,
+                            concurrency=level,
+                            requests=requests,
+                            args=args,
+                            out_dir=out_dir,
+                            label=f"{name}-r{round_}-c{level}",
+                            pids=pids,
+                            seed=args.seed + 1000 * round_ + level,
+                        )
+                    )
     finally:
         if vllm is not None:
             vllm.stop()
@@ -358,16 +389,21 @@ def main() -> None:
         "output_tokens": args.output_tokens,
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "database": stack.database,
-        "pagoda": results["pagoda"],
+        "rounds": args.rounds,
+        "pagoda": {level: median_figures(r) for level, r in runs["pagoda"].items() if r},
     }
     if vllm is not None:
-        summary["vllm"] = results["vllm"]
+        summary["vllm"] = {level: median_figures(r) for level, r in runs["vllm"].items() if r}
         for level in levels:
-            p, v = results["pagoda"][level], results["vllm"][level]
+            p, v = summary["pagoda"][level], summary["vllm"][level]
             summary[f"output_tok_s_ratio_c{level}"] = ratio(p["output_tok_s"], v["output_tok_s"])
             # Latencies, Pagoda over vLLM: at most 1.0 where Pagoda is no slower.
             summary[f"itl_p50_ratio_c{level}"] = ratio(p["itl_ms"]["p50"], v["itl_ms"]["p50"])
             summary[f"ttft_p50_ratio_c{level}"] = ratio(p["ttft_ms"]["p50"], v["ttft_ms"]["p50"])
+            pairs = zip(runs["pagoda"][level], runs["vllm"][level], strict=True)
+            summary[f"itl_p50_ratio_by_round_c{level}"] = [
+                ratio(a["itl_ms"]["p50"], b["itl_ms"]["p50"]) for a, b in pairs
+            ]
     print(json.dumps(summary), flush=True)
 
 
