@@ -41,11 +41,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Only prompts at least this long are chunked when chunking is off.
     long_prefill_token_threshold: int = 0
+    # While sequences are decoding, a step computes at most this many prompt tokens (0: no cap
+    # beyond max_num_batched_tokens): shorter steps while prompts arrive, so running streams keep
+    # their pace between tokens; the same prompt work is spread over more steps.
+    max_prefill_tokens_with_decodes: int = 0
     # Order within a priority tier: "fair" (weighted fair share of service across tenants) or
     # "fcfs" (arrival order alone).
     policy: str = "fair"
 
     def __post_init__(self) -> None:
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ConfigError("max_prefill_tokens_with_decodes must be >= 0")
         if self.policy not in ("fair", "fcfs"):
             raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
         if self.max_num_seqs < 1:

@@ -23,6 +23,7 @@ _SCHEDULER_FIELDS = {
     "max_num_seqs",
     "enable_chunked_prefill",
     "long_prefill_token_threshold",
+    "max_prefill_tokens_with_decodes",
     "policy",
 }
 

@@ -96,6 +96,7 @@ ENGINE_SETTING_FLAGS = {
     "block_size": "--block-size",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_prefill_tokens_with_decodes": "--max-prefill-tokens-with-decodes",
     "max_held": "--max-held",
     "claim_timeout_ms": "--claim-timeout-ms",
     "heartbeat_interval": "--heartbeat-interval",

@@ -275,10 +275,21 @@ class Scheduler:
         # Running sequences, most important first; the victims come from the tail, which has
         # not been scheduled yet, so nothing already granted this step is taken back.
         order = sorted(self.running, key=self._order_key)
+        # Prompt tokens this step may compute: capped while sequences decode (see SchedulerConfig).
+        cap = self.config.max_prefill_tokens_with_decodes
+        decoding = (
+            cap > 0
+            and self.config.enable_chunked_prefill
+            and any(s.num_uncomputed_tokens == 1 for s in self.running)
+        )
+        prefill_budget = cap if decoding else self.config.max_num_batched_tokens
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
-            num_new = self._num_new_tokens(seq.num_uncomputed_tokens, budget)
+            uncomputed = seq.num_uncomputed_tokens
+            num_new = self._num_new_tokens(
+                uncomputed, budget if uncomputed == 1 else min(budget, prefill_budget)
+            )
             if num_new == 0:
                 i += 1
                 continue
@@ -292,6 +303,8 @@ class Scheduler:
                 bm.allocate(seq, num_new)
                 self._grant(scheduled, seq, num_new)
                 budget -= num_new
+                if uncomputed > 1:
+                    prefill_budget -= num_new
                 i += 1
 
         # Admitting while preempting for room would only evict what was just admitted on the next
@@ -300,7 +313,7 @@ class Scheduler:
         loras_in_use = {s.lora_id for s in self.running if s.lora_id} if lora_slots is not None else set()
         while (
             (tier_preempted or len(preempted) == 0)
-            and budget > 0
+            and min(budget, prefill_budget) > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting.peek()
@@ -316,7 +329,7 @@ class Scheduler:
             # Prompt logprobs come out of the prompt's own forward passes: nothing is reused.
             computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             num_hit = len(computed) * self.block_size
-            num_new = self._num_new_tokens(seq.num_tokens - num_hit, budget)
+            num_new = self._num_new_tokens(seq.num_tokens - num_hit, min(budget, prefill_budget))
             # Strict order: a big request at the head is never overtaken, so it cannot starve.
             if num_new == 0 or not bm.can_allocate(seq, num_new, computed):
                 break
@@ -334,6 +347,7 @@ class Scheduler:
             self.running.append(seq)
             self._grant(scheduled, seq, num_new)
             budget -= num_new
+            prefill_budget -= num_new
 
         return SchedulerOutput(
             scheduled=scheduled,

@@ -55,6 +55,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cache.add_argument("--no-prefix-caching", action="store_true")
     cache.add_argument("--max-num-seqs", type=int, default=128)
     cache.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cache.add_argument(
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=512,
+        help="prompt tokens a step computes at most while sequences decode, so streams keep their pace"
+        " between tokens as prompts arrive; 0: up to max-num-batched-tokens",
+    )
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve requests that name an adapter")
     lora.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
@@ -106,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
             max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len,
         ),

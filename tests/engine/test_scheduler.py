@@ -29,6 +29,7 @@ def make_scheduler(
     max_model_len: int = 64,
     chunked: bool = True,
     prefix_caching: bool = True,
+    prefill_cap: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -36,6 +37,7 @@ def make_scheduler(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
+            max_prefill_tokens_with_decodes=prefill_cap,
         ),
         CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
         num_blocks,
@@ -89,6 +91,40 @@ def test_chunked_prefill_splits_a_long_prompt_while_a_running_decode_gets_its_to
     assert seen == [{"decode": 1, "long": 7}, {"decode": 1, "long": 7}, {"decode": 1, "long": 6}]
     assert long.num_output_tokens == 1 and long.num_computed_tokens == 20
     assert decode.num_output_tokens == 4
+
+
+def test_while_sequences_decode_a_step_computes_at_most_the_prefill_cap_of_prompt_tokens():
+    # given a cap of 5 prompt tokens while sequences decode, in a budget of 32
+    sched = make_scheduler(budget=32, prefill_cap=5)
+    first = make_seq("first", list(range(20)))
+    sched.add(first)
+
+    # when nothing decodes yet, a prompt takes the whole budget
+    out, _ = step(sched)
+    assert chunks(out) == {"first": 20}
+
+    # then, with a decode running, two new prompts share 5 prompt tokens a step, in order, while
+    # the decode gets its token every step
+    second, third = make_seq("second", list(range(100, 107))), make_seq("third", list(range(200, 203)))
+    sched.add(second)
+    sched.add(third)
+    seen = [chunks(step(sched)[0]) for _ in range(3)]
+    assert seen == [
+        {"first": 1, "second": 5},
+        {"first": 1, "second": 2, "third": 3},
+        {"first": 1, "second": 1, "third": 1},
+    ]
+
+
+def test_the_prefill_cap_leaves_prompts_unsplit_without_chunked_prefill():
+    sched = make_scheduler(budget=16, max_model_len=16, chunked=False, prefill_cap=2)
+    sched.add(make_seq("a", [1] * 4))
+    step(sched)
+    sched.add(make_seq("b", [2] * 10))
+
+    out, _ = step(sched)
+
+    assert chunks(out) == {"a": 1, "b": 10}
 
 
 def test_without_chunked_prefill_a_prompt_is_never_split():
