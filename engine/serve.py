@@ -58,9 +58,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cache.add_argument(
         "--max-prefill-tokens-with-decodes",
         type=int,
-        default=512,
-        help="prompt tokens a step computes at most while sequences decode, so streams keep their pace"
-        " between tokens as prompts arrive; 0: up to max-num-batched-tokens",
+        default=0,
+        help="prompt tokens a step computes at most while sequences decode (bounds the longest gap"
+        " between a stream's tokens as prompts arrive); 0: up to max-num-batched-tokens",
     )
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve requests that name an adapter")
