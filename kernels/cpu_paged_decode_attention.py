@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kernels import _cpu_build
+from kernels import _cpu_build, _cpu_paged
 
 _SIGNATURES = {
     "paged_decode_attention": (
@@ -55,13 +55,7 @@ def available() -> bool:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether this kernel handles these shapes and dtypes (the torch path handles the rest)."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and k_cache.dtype == q.dtype
-        and num_heads % num_kv_heads == 0
-    )
+    return _cpu_paged.supports_layout(q, k_cache)
 
 
 def paged_decode_attention_cpu(
@@ -80,14 +74,7 @@ def paged_decode_attention_cpu(
         raise RuntimeError("the CPU decode attention kernel is not available")
     if not supports(q, k_cache):
         raise ValueError(f"unsupported decode attention: q {tuple(q.shape)} {q.dtype}, cache {k_cache.dtype}")
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        raise ValueError("q's heads must be contiguous within a row (rows may be apart)")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must match")
-    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be int32 with contiguous rows")
+    _cpu_paged.check_inputs(q, k_cache, v_cache, block_tables)
     num_seqs = seq_lens.shape[0]
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if block_tables.shape[0] != num_seqs:
@@ -99,10 +86,7 @@ def paged_decode_attention_cpu(
         rows = rows.to(torch.int64).contiguous()
         if rows.shape[0] != num_seqs:
             raise ValueError("rows must name one row per sequence")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError("out must be contiguous and shaped like q")
+    out = _cpu_paged.output_for(q, out)
     if num_seqs == 0:
         return out
     status = lib.paged_decode_attention(

@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from kernels import _cpu_build
+from kernels import _cpu_build, _cpu_paged
 
 _SIGNATURES = {
     "paged_prefill_attention": (
@@ -63,13 +63,9 @@ def available() -> bool:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether this kernel handles these shapes and dtypes (the torch path handles the rest)."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and k_cache.dtype == q.dtype
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= _MAX_ROWS
+        _cpu_paged.supports_layout(q, k_cache)
+        and q.shape[1] // k_cache.shape[2] <= _MAX_ROWS
         and q.shape[2] % 8 == 0
         and q.shape[2] <= _MAX_HEAD_DIM
     )
@@ -80,7 +76,7 @@ class ChunkTable:
     (its row of the block tables), query rows ``starts[c]`` onwards, ``query_lens[c]`` of them, and
     a context of ``seq_lens[c]`` tokens, the chunk's own last."""
 
-    __slots__ = ("seqs", "starts", "query_lens", "seq_lens")
+    __slots__ = ("seqs", "starts", "query_lens", "seq_lens", "num_seqs_needed", "num_rows_needed")
 
     def __init__(
         self, seqs: list[int], starts: list[int], query_lens: list[int], seq_lens: list[int]
@@ -93,6 +89,9 @@ class ChunkTable:
         self.starts = torch.tensor(starts, dtype=torch.int64)
         self.query_lens = torch.tensor(query_lens, dtype=torch.int32)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        # The block-table rows and query rows a call must have, checked on every layer's call.
+        self.num_seqs_needed = max(seqs, default=-1) + 1
+        self.num_rows_needed = max((s + q for s, q in zip(starts, query_lens, strict=True)), default=0)
 
     def __len__(self) -> int:
         return self.seqs.shape[0]
@@ -115,24 +114,14 @@ def paged_prefill_attention_cpu(
         raise ValueError(
             f"unsupported prefill attention: q {tuple(q.shape)} {q.dtype}, cache {k_cache.dtype}"
         )
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        raise ValueError("q's heads must be contiguous within a row (rows may be apart)")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must match")
-    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be int32 with contiguous rows")
+    _cpu_paged.check_inputs(q, k_cache, v_cache, block_tables)
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError("out must be contiguous and shaped like q")
+    out = _cpu_paged.output_for(q, out)
     if len(chunks) == 0:
         return out
-    if int(chunks.seqs.max()) >= block_tables.shape[0]:
+    if chunks.num_seqs_needed > block_tables.shape[0]:
         raise ValueError("a chunk names a sequence beyond the block tables")
-    if int((chunks.starts + chunks.query_lens).max()) > q.shape[0]:
+    if chunks.num_rows_needed > q.shape[0]:
         raise ValueError("a chunk's query rows run past q")
     status = lib.paged_prefill_attention(
         q.data_ptr(),

@@ -110,3 +110,16 @@ def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         batch.block_tables,
         scale,
     )
+
+
+def at_one_and_two_threads(fn, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn(*args) run with torch at one thread, then two; the thread count is restored after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn(*args)
+        torch.set_num_threads(2)
+        two = fn(*args)
+    finally:
+        torch.set_num_threads(before)
+    return one, two

@@ -7,7 +7,13 @@ import torch
 
 from kernels import cpu_paged_decode_attention as cpu_kernel
 from kernels.reference import ref_store_kvcache
-from tests.kernels.helpers import DTYPES, assert_close, make_paged_batch, reference_attention
+from tests.kernels.helpers import (
+    DTYPES,
+    assert_close,
+    at_one_and_two_threads,
+    make_paged_batch,
+    reference_attention,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler on this machine")
 
@@ -71,14 +77,7 @@ def test_rows_place_each_sequence_in_its_own_row_and_leave_the_others():
 def test_the_result_does_not_depend_on_the_number_of_threads():
     batch = _decode_batch([(53 * i) % 500 + 1 for i in range(24)], group=3, dtype=torch.float32)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_kernel.paged_decode_attention_cpu(*args)
-        torch.set_num_threads(2)
-        two = cpu_kernel.paged_decode_attention_cpu(*args)
-    finally:
-        torch.set_num_threads(before)
+    one, two = at_one_and_two_threads(cpu_kernel.paged_decode_attention_cpu, *args)
     assert torch.equal(one, two)
 
 

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from kernels import cpu_paged_prefill_attention as cpu_prefill
-from kernels.reference import ref_paged_attention, ref_store_kvcache
-from tests.kernels.helpers import DTYPES, assert_close, make_paged_batch
+from kernels.reference import ref_store_kvcache
+from tests.kernels.helpers import (
+    DTYPES,
+    assert_close,
+    at_one_and_two_threads,
+    make_paged_batch,
+    reference_attention,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_prefill.available(), reason="no C compiler on this machine")
 
@@ -35,18 +41,6 @@ def _chunks(batch) -> cpu_prefill.ChunkTable:
     )
 
 
-def _expected(batch, scale):
-    return ref_paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        scale,
-    )
-
-
 # (query_lens, seq_lens): fresh prompts (q_len == seq_len) shorter and longer than a query tile and
 # a 64-key softmax block, chunks that follow cached tokens (a warm prefix), a chunk of two tokens,
 # and several chunks in one call; partial last blocks throughout.
@@ -67,7 +61,7 @@ CHUNKS = [
 def test_the_kernel_matches_the_reference_on_prompt_chunks(dtype, group, head_dim, query_lens, seq_lens):
     # given prompt chunks whose contexts lie in blocks scattered over a shuffled pool
     batch = _batch(query_lens, seq_lens, group=group, dtype=dtype, head_dim=head_dim)
-    expected = _expected(batch, 0.125)
+    expected = reference_attention(batch, 0.125)
 
     # when the kernel attends causally, in place over the paged cache
     out = cpu_prefill.paged_prefill_attention_cpu(
@@ -85,7 +79,7 @@ def test_any_power_of_two_block_size_is_read_through_the_block_table(block_size)
     out = cpu_prefill.paged_prefill_attention_cpu(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, _chunks(batch), 0.3
     )
-    assert_close(out, _expected(batch, 0.3), torch.float32)
+    assert_close(out, reference_attention(batch, 0.3), torch.float32)
 
 
 def test_chunks_write_their_own_rows_and_leave_the_others():
@@ -106,7 +100,7 @@ def test_chunks_write_their_own_rows_and_leave_the_others():
     )
 
     # then the chunks' rows hold the attention and every other row is untouched
-    expected = _expected(batch, 0.125)
+    expected = reference_attention(batch, 0.125)
     assert_close(out[3:9], expected[:6], torch.float32)
     assert_close(out[12:16], expected[6:], torch.float32)
     others = [i for i in range(20) if not (3 <= i < 9 or 12 <= i < 16)]
@@ -116,14 +110,7 @@ def test_chunks_write_their_own_rows_and_leave_the_others():
 def test_the_result_does_not_depend_on_the_number_of_threads():
     batch = _batch([100, 7, 33], [100, 300, 90], group=3, seed=5)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, _chunks(batch), 0.125)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_prefill.paged_prefill_attention_cpu(*args)
-        torch.set_num_threads(2)
-        two = cpu_prefill.paged_prefill_attention_cpu(*args)
-    finally:
-        torch.set_num_threads(before)
+    one, two = at_one_and_two_threads(cpu_prefill.paged_prefill_attention_cpu, *args)
     assert torch.equal(one, two)
 
 
