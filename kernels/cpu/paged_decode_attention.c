@@ -14,6 +14,11 @@
  * once, and the GQA group's query heads share each K and V row as it is loaded. Items are spread
  * over the threads of the OpenMP runtime the process already runs (torch's), so it uses the
  * threads torch was given.
+ *
+ * With AVX-512 and head sizes 64 and 128 (attend_seq_avx512) the scores of 16 tokens are summed
+ * together in one transpose-add tree instead of one horizontal reduction per score, each KV head's
+ * values are accumulated in registers, and rows are prefetched into L2 well ahead. On SmolLM2's
+ * decode steps (2-core EPYC) that read the cache at 22 GB/s where the portable loop read 16.5.
  */
 #include <math.h>
 #include <stdint.h>
@@ -147,6 +152,129 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
 }
 
+#ifdef __AVX512F__
+/* 16 vectors in, one out: lane i holds the sum of v[i]'s lanes (a transpose folded into the adds,
+ * 45 shuffles and adds for 16 sums where 16 separate reductions take about 128). */
+static inline __m512 sum16x16(const __m512 *v) {
+    __m512 s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __m512 load16(const void *base, int64_t i, int is_bf16) {
+    if (is_bf16) return bf16x16_load((const uint16_t *)base + i, (__mmask16)0xffff);
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* How far ahead the rows are asked for, into L2 (an L1 prefetch holds one of L1's few miss
+ * buffers until the line arrives): on a 2-core EPYC VM 48 tokens ahead read 1.4-1.5x faster than
+ * 16 ahead into L1, once the context no longer fits in the caches. */
+#define PREFETCH_TOKENS 48
+
+/* Heads of one GQA group whose V accumulators stay in registers at once (NC vectors each). */
+#define GROUP_CHUNK(NC) ((NC) <= 4 ? 4 : 2)
+
+/* attend_seq for head_dim = 16 * NC on AVX-512, same arithmetic order per score except the dot
+ * products' lanes are summed in a tree.
+ * - Scores: tiles of 16 tokens. Each token's K row (every KV head) is loaded once; each query head
+ *   leaves one vector of partial products per token, and a tile's 16 vectors fold into 16 scores.
+ * - Values: one KV head at a time, its group's accumulators in registers through the whole context.
+ * Scratch: scores (num_heads * seq_len), partial (num_heads * 16 vectors), qf (num_heads * head_dim). */
+static inline __attribute__((always_inline)) void attend_seq_avx512(
+    const int NC, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
+    const int32_t *table, int seq_len, int64_t row, int num_heads, int num_kv_heads, int block_size, float scale,
+    void *out, float *scores, __m512 *partial, float *qf) {
+    const int head_dim = 16 * NC;
+    const int group = num_heads / num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t q_in = row * q_stride, q_off = row * (int64_t)num_heads * head_dim;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    const int64_t row_bytes = token_stride * elem;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int i = 0; i < num_heads * NC; i++) _mm512_storeu_ps(qf + 16 * i, _mm512_mul_ps(load16(q, q_in + 16 * i, is_bf16), vscale));
+
+    for (int t0 = 0; t0 < seq_len; t0 += 16) {
+        const int n = seq_len - t0 < 16 ? seq_len - t0 : 16;
+        for (int j = 0; j < n; j++) {
+            const int t = t0 + j;
+            const int64_t first = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
+            /* The row PREFETCH_TOKENS on, wherever its block lies, is asked for now. */
+            if (t + PREFETCH_TOKENS < seq_len) {
+                const int u = t + PREFETCH_TOKENS;
+                const char *ahead = (const char *)k_cache +
+                                    ((int64_t)table[u / block_size] * block_size + u % block_size) * row_bytes;
+                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 2);
+            }
+            for (int kh = 0; kh < num_kv_heads; kh++) {
+                __m512 k[8];
+                for (int c = 0; c < NC; c++) k[c] = load16(k_cache, first + (int64_t)kh * head_dim + 16 * c, is_bf16);
+                for (int g = 0; g < group; g++) {
+                    const int h = kh * group + g;
+                    const float *qh = qf + (int64_t)h * head_dim;
+                    __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+                    for (int c = 1; c < NC; c++) p = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), k[c], p);
+                    partial[h * 16 + j] = p;
+                }
+            }
+        }
+        for (int h = 0; h < num_heads; h++) {
+            for (int j = n; j < 16; j++) partial[h * 16 + j] = _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(scores + (int64_t)h * seq_len + t0, tail_mask(n), sum16x16(partial + h * 16));
+        }
+    }
+
+    float inv[512];
+    for (int h = 0; h < num_heads; h++) inv[h] = 1.0f / softmax_numerators(scores + (int64_t)h * seq_len, seq_len);
+
+    const int GC = GROUP_CHUNK(NC);
+    for (int kh = 0; kh < num_kv_heads; kh++) {
+        for (int g0 = 0; g0 < group; g0 += GC) {
+            const int gc = group - g0 < GC ? group - g0 : GC;
+            const int h0 = kh * group + g0;
+            __m512 acc[4][8];
+            for (int g = 0; g < GC; g++)
+                for (int c = 0; c < NC; c++) acc[g][c] = _mm512_setzero_ps();
+            for (int t = 0; t < seq_len; t++) {
+                const int64_t first = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
+                if (t + PREFETCH_TOKENS < seq_len) {
+                    const int u = t + PREFETCH_TOKENS;
+                    const char *ahead = (const char *)v_cache +
+                                        (((int64_t)table[u / block_size] * block_size + u % block_size) * token_stride +
+                                         (int64_t)kh * head_dim) * elem;
+                    for (int64_t off = 0; off < head_dim * elem; off += 64) __builtin_prefetch(ahead + off, 0, 2);
+                }
+                __m512 v[8];
+                for (int c = 0; c < NC; c++) v[c] = load16(v_cache, first + (int64_t)kh * head_dim + 16 * c, is_bf16);
+                for (int g = 0; g < GC; g++) {
+                    if (g >= gc) break;
+                    const __m512 p = _mm512_set1_ps(scores[(int64_t)(h0 + g) * seq_len + t]);
+                    for (int c = 0; c < NC; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+                }
+            }
+            for (int g = 0; g < gc; g++) {
+                const __m512 s = _mm512_set1_ps(inv[h0 + g]);
+                for (int c = 0; c < NC; c++) {
+                    const int64_t o = q_off + (int64_t)(h0 + g) * head_dim + 16 * c;
+                    const __m512 r = _mm512_mul_ps(acc[g][c], s);
+                    if (is_bf16)
+                        bf16x16_store((uint16_t *)out + o, r, (__mmask16)0xffff);
+                    else
+                        _mm512_storeu_ps((float *)out + o, r);
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory. */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
@@ -157,23 +285,39 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     for (int i = 0; i < num_seqs; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
     const size_t per_head = (size_t)num_heads * head_dim;
-    const size_t scratch = (size_t)num_heads * max_len + 2 * per_head + (size_t)num_kv_heads * head_dim;
+    /* Per thread: the AVX-512 path's partial products (num_heads tiles of 16 vectors, first, so
+     * they are 64-byte aligned), then scores, accumulators, the scaled query and a row buffer. */
+    const size_t partial_floats = (size_t)num_heads * 16 * 16;
+    const size_t scratch = partial_floats + (size_t)num_heads * max_len + 2 * per_head + (size_t)num_kv_heads * head_dim;
+    const size_t scratch_bytes = (scratch * sizeof(float) + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = (float *)malloc(scratch * sizeof(float));
+        float *buffer = (float *)aligned_alloc(64, scratch_bytes);
         /* Every thread reaches the worksharing loop, even one whose buffer failed. */
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < num_seqs; i++) {
-            if (scores == NULL) {
+            if (buffer == NULL) {
                 failed = 2;
                 continue;
             }
+            float *scores = buffer + partial_floats;
             float *acc = scores + (size_t)num_heads * max_len, *qf = acc + per_head, *rowbuf = qf + per_head;
             int64_t row = rows ? rows[i] : i;
             const int32_t *table = block_tables + (int64_t)i * bt_stride;
-            /* The common head sizes get copies with a constant head_dim, which the compiler unrolls
-             * into whole vector registers. */
+#ifdef __AVX512F__
+            if (num_heads <= 512 && (head_dim == 64 || head_dim == 128)) {
+                if (head_dim == 64)
+                    attend_seq_avx512(4, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads,
+                                      num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
+                else
+                    attend_seq_avx512(8, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads,
+                                      num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
+                continue;
+            }
+#endif
+            /* Other head sizes, and CPUs without AVX-512: copies with a constant head_dim where it
+             * is a common one, which the compiler unrolls into whole vector registers. */
             switch (head_dim) {
             case 64:
                 attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads, 64,
@@ -188,7 +332,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            head_dim, block_size, scale, out, scores, acc, qf, rowbuf);
             }
         }
-        free(scores);
+        free(buffer);
     }
     return failed;
 }

@@ -18,7 +18,15 @@ from tests.kernels.helpers import (
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler on this machine")
 
 
-def _decode_batch(seq_lens: list[int], *, group: int, dtype: torch.dtype, head_dim: int = 64, seed: int = 0):
+def _decode_batch(
+    seq_lens: list[int],
+    *,
+    group: int,
+    dtype: torch.dtype,
+    head_dim: int = 64,
+    seed: int = 0,
+    block_size: int = 16,
+):
     batch = make_paged_batch(
         [1] * len(seq_lens),
         seq_lens,
@@ -28,6 +36,7 @@ def _decode_batch(seq_lens: list[int], *, group: int, dtype: torch.dtype, head_d
         dtype=dtype,
         device="cpu",
         seed=seed,
+        block_size=block_size,
     )
     ref_store_kvcache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.slot_mapping)
     return batch
@@ -52,6 +61,24 @@ def test_the_kernel_matches_the_reference_on_decode_rows(dtype, group, head_dim,
     # then every row equals the reference within the dtype's tolerance
     assert out.dtype == dtype
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_score_tiles_of_sixteen_tokens_cross_blocks_of_any_size(block_size, head_dim):
+    # given contexts that end inside a tile and span blocks smaller and larger than a tile
+    batch = _decode_batch(
+        [1, 17, 47, 64, 129], group=3, dtype=torch.float32, head_dim=head_dim, block_size=block_size
+    )
+    expected = reference_attention(batch, 0.125)
+
+    # when the kernel attends
+    out = cpu_kernel.paged_decode_attention_cpu(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125
+    )
+
+    # then each token was read from its own block
+    assert_close(out, expected, torch.float32)
 
 
 def test_rows_place_each_sequence_in_its_own_row_and_leave_the_others():
