@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,6 +70,32 @@ def vllm_env(vllm_python: str, *, threads: int, kv_cache_gib: float) -> dict[str
         VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
         TOKENIZERS_PARALLELISM="false",
     )
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores together, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet_cpu(*, busy_cores: float = 0.3, window_s: float = 0.05, timeout_s: float = 3.0) -> float:
+    """Waits until the machine's cores are nearly idle over a short window (at most ``timeout_s``)
+    and returns the seconds waited. An engine's OpenMP threads keep spinning for a while after its
+    work (Intel's runtime, which vLLM's CPU build runs, for 200 ms by default): a request the other
+    engine starts meanwhile shares the cores with them. Where /proc/stat is missing, no wait."""
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    cores = os.cpu_count() or 1
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        busy0, total0 = _cpu_jiffies()
+        time.sleep(window_s)
+        busy1, total1 = _cpu_jiffies()
+        if total1 > total0 and (busy1 - busy0) / (total1 - total0) * cores <= busy_cores:
+            break
+    return time.perf_counter() - start
 
 
 def log(message: str) -> None:

@@ -16,7 +16,10 @@ project). Per dtype (float32 and bfloat16) each side reports:
 
 Time-to-first-token requests go to the two engines in turn, one request at a time (the first engine
 flipped every request), so that a slow spell of the machine falls on both alike; each series'
-ratio is the median of the per-pair ratios.
+ratio is the median of the per-pair ratios. Every request and round starts once the cores are idle:
+vLLM's OpenMP runtime (Intel's) keeps its threads spinning for 200 ms after its work, and a request
+sent to Pagoda meanwhile shared the cores with them (without the wait Pagoda's low-load p50 read
+218 ms, with it 170 ms, on the same machine and code).
 
 Pagoda's run also prints its per-step profile (schedule, prepare, forward, sample, detokenize,
 output). The final line is JSON: each side's figures, the ratios (Pagoda over vLLM) and the
@@ -49,7 +52,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, PromptSource, log, percentile, real_model_dir, vllm_env  # noqa: E402
+from common import (  # noqa: E402
+    ROOT,
+    PromptSource,
+    log,
+    percentile,
+    real_model_dir,
+    vllm_env,
+    wait_for_quiet_cpu,
+)
 
 from engine.allocator import tcmalloc_path  # noqa: E402
 
@@ -265,6 +276,8 @@ def ttft_series(workers: dict[str, Worker], spec: dict, runs: dict[str, dict]) -
         times: dict[str, list[float]] = {s: [] for s in systems}
         for i in range(len(spec[series])):
             for s in systems if i % 2 == 0 else systems[::-1]:
+                # Each request starts on idle cores: not beside the other engine's spinning threads.
+                wait_for_quiet_cpu()
                 times[s].append(workers[s].ask(f"ttft {series} {i}")["ms"])
         for s in systems:
             runs[s][key] = _summary(times[s])
@@ -347,6 +360,7 @@ def main() -> None:
                     # Taken in turn, the order flipped every round: a slow spell of this shared
                     # machine falls on both engines alike.
                     for s in systems if r % 2 == 0 else systems[::-1]:
+                        wait_for_quiet_cpu()
                         out = workers[s].ask(f"throughput {r}")
                         ids[s].extend(out.pop("token_ids"))
                         rates[s].append(out["output_tok_s"])
