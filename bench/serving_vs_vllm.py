@@ -213,7 +213,12 @@ def run_guidellm(
         raise RuntimeError(
             f"guidellm failed ({label}, exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
-    out = figures(json.loads(report.read_text()), label=label)
+    data = json.loads(report.read_text())
+    out = figures(data, label=label)
+    log(
+        f"{label} cohorts (first token at s: requests x mean ITL ms): "
+        + ", ".join(f"{c['first_token_s']}: {c['requests']} x {c['itl_mean_ms']}" for c in cohorts(data))
+    )
     # Where the cores went: CPU seconds per request of each server process (and its children).
     done_requests = max(1, out["successful"])
     out["cpu_ms_per_request"] = {
@@ -236,6 +241,7 @@ def figures(report: dict[str, Any], *, label: str) -> dict[str, Any]:
             out[name] = {
                 "p50": round(float(percentiles["p50"]), 2),
                 "p99": round(float(percentiles["p99"]), 2),
+                "mean": round(float(successful["mean"]), 2),
             }
     requests = metrics.get("request_totals") or {}
     out["successful"] = int(requests.get("successful", 0))
@@ -246,6 +252,36 @@ def figures(report: dict[str, Any], *, label: str) -> dict[str, Any]:
     goodput = (metrics.get("request_goodput") or {}).get("successful") or {}
     out["goodput_requests_per_s"] = round(float(goodput.get("mean") or 0.0), 3)
     return out
+
+
+def cohorts(report: dict[str, Any], gap_s: float = 0.05) -> list[dict[str, float]]:
+    """Requests whose first tokens came out together (one engine step: within ``gap_s``), in order:
+    when each cohort's first token came (seconds into the profile), its size and its requests' mean
+    inter-token latency. All requests of a `concurrent` profile have the same lengths, so they move
+    in cohorts, and a median over requests falls inside whichever cohort holds the middle request."""
+    requests = report["benchmarks"][-1]["requests"]["successful"]
+    timed = sorted(
+        (r["info"]["timings"]["first_token_iteration"], r["inter_token_latency_ms"])
+        for r in requests
+        if r["info"]["timings"].get("first_token_iteration") is not None and r.get("inter_token_latency_ms")
+    )
+    if not timed:
+        return []
+    start = min(r["info"]["timings"]["request_start"] for r in requests)
+    groups: list[list[tuple[float, float]]] = []
+    for first, itl in timed:
+        if groups and first - groups[-1][-1][0] <= gap_s:
+            groups[-1].append((first, itl))
+        else:
+            groups.append([(first, itl)])
+    return [
+        {
+            "first_token_s": round(g[0][0] - start, 2),
+            "requests": len(g),
+            "itl_mean_ms": round(statistics.fmean(itl for _, itl in g), 1),
+        }
+        for g in groups
+    ]
 
 
 def warm_up(target: str, model: str, api_key: str, count: int = 4) -> None:
@@ -406,6 +442,7 @@ def main() -> None:
             summary[f"output_tok_s_ratio_c{level}"] = ratio(p["output_tok_s"], v["output_tok_s"])
             # Latencies, Pagoda over vLLM: at most 1.0 where Pagoda is no slower.
             summary[f"itl_p50_ratio_c{level}"] = ratio(p["itl_ms"]["p50"], v["itl_ms"]["p50"])
+            summary[f"itl_mean_ratio_c{level}"] = ratio(p["itl_ms"]["mean"], v["itl_ms"]["mean"])
             summary[f"ttft_p50_ratio_c{level}"] = ratio(p["ttft_ms"]["p50"], v["ttft_ms"]["p50"])
             pairs = zip(runs["pagoda"][level], runs["vllm"][level], strict=True)
             summary[f"itl_p50_ratio_by_round_c{level}"] = [
