@@ -21,8 +21,8 @@ of --concurrency, after a warm-up, with --requests requests each but at least 4 
 Requests of equal lengths move in cohorts (those whose first tokens came out in one step), and a
 profile of only 2 x its concurrency is two waves, whose first step and last cohort are a third of
 it: at 32 streams, 64 requests put the median inter-token latency at the edge between fast and
-slow cohorts, 1.15-1.31x vLLM's in every round measured, while 128 gave 0.92x and 0.99x (Pagoda's
-cohorts were faster than vLLM's in both; see bench/RESULTS.md). Goodput is the rate of requests meeting the SLO
+slow cohorts, 1.15-1.31x vLLM's in every round measured, while 128 gave 0.92-1.08x in four rounds
+(see the cohorts in bench/RESULTS.md). Goodput is the rate of requests meeting the SLO
 (--slo-ttft-ms time to first token and --slo-itl-ms inter-token latency; defaults chosen for this
 2-core CPU and a 135M model with prompts that are not in the prefix cache: a first token within
 5 s and at most 200 ms between tokens).
