@@ -169,6 +169,11 @@ static inline __m512 sum16x16(const __m512 *v) {
                          _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* The cache slot of a sequence's token t: its block's place in the pool, then its row there. */
+static inline int64_t token_slot(const int32_t *table, int t, int block_size) {
+    return (int64_t)table[t / block_size] * block_size + t % block_size;
+}
+
 static inline __m512 load16(const void *base, int64_t i, int is_bf16) {
     if (is_bf16) return bf16x16_load((const uint16_t *)base + i, (__mmask16)0xffff);
     return _mm512_loadu_ps((const float *)base + i);
@@ -182,8 +187,8 @@ static inline __m512 load16(const void *base, int64_t i, int is_bf16) {
 /* Heads of one GQA group whose V accumulators stay in registers at once (NC vectors each). */
 #define GROUP_CHUNK(NC) ((NC) <= 4 ? 4 : 2)
 
-/* attend_seq for head_dim = 16 * NC on AVX-512, same arithmetic order per score except the dot
- * products' lanes are summed in a tree.
+/* attend_seq for head_dim = 16 * NC on AVX-512. The dot products' lanes are summed in a tree, and
+ * each head's values are divided by the softmax denominator once, at the end.
  * - Scores: tiles of 16 tokens. Each token's K row (every KV head) is loaded once; each query head
  *   leaves one vector of partial products per token, and a tile's 16 vectors fold into 16 scores.
  * - Values: one KV head at a time, its group's accumulators in registers through the whole context.
@@ -205,12 +210,10 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         const int n = seq_len - t0 < 16 ? seq_len - t0 : 16;
         for (int j = 0; j < n; j++) {
             const int t = t0 + j;
-            const int64_t first = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
+            const int64_t first = token_slot(table, t, block_size) * token_stride;
             /* The row PREFETCH_TOKENS on, wherever its block lies, is asked for now. */
             if (t + PREFETCH_TOKENS < seq_len) {
-                const int u = t + PREFETCH_TOKENS;
-                const char *ahead = (const char *)k_cache +
-                                    ((int64_t)table[u / block_size] * block_size + u % block_size) * row_bytes;
+                const char *ahead = (const char *)k_cache + token_slot(table, t + PREFETCH_TOKENS, block_size) * row_bytes;
                 for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 2);
             }
             for (int kh = 0; kh < num_kv_heads; kh++) {
@@ -231,7 +234,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         }
     }
 
-    float inv[512];
+    float inv[512]; /* the caller keeps num_heads <= 512 */
     for (int h = 0; h < num_heads; h++) inv[h] = 1.0f / softmax_numerators(scores + (int64_t)h * seq_len, seq_len);
 
     const int GC = GROUP_CHUNK(NC);
@@ -243,12 +246,11 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             for (int g = 0; g < GC; g++)
                 for (int c = 0; c < NC; c++) acc[g][c] = _mm512_setzero_ps();
             for (int t = 0; t < seq_len; t++) {
-                const int64_t first = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride;
+                const int64_t first = token_slot(table, t, block_size) * token_stride;
                 if (t + PREFETCH_TOKENS < seq_len) {
-                    const int u = t + PREFETCH_TOKENS;
-                    const char *ahead = (const char *)v_cache +
-                                        (((int64_t)table[u / block_size] * block_size + u % block_size) * token_stride +
-                                         (int64_t)kh * head_dim) * elem;
+                    const char *ahead =
+                        (const char *)v_cache +
+                        (token_slot(table, t + PREFETCH_TOKENS, block_size) * token_stride + (int64_t)kh * head_dim) * elem;
                     for (int64_t off = 0; off < head_dim * elem; off += 64) __builtin_prefetch(ahead + off, 0, 2);
                 }
                 __m512 v[8];
