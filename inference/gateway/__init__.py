@@ -7,6 +7,7 @@ from inference.gateway.client import EngineGateway, get_gateway
 from inference.gateway.replicas import (
     live_replica_ids,
     live_replica_ids_async,
+    live_replica_set_async,
     ready_replica_ids,
     ready_replica_ids_async,
     replica_is_live_async,
@@ -18,6 +19,7 @@ __all__ = [
     "get_gateway",
     "live_replica_ids",
     "live_replica_ids_async",
+    "live_replica_set_async",
     "ready_replica_ids",
     "ready_replica_ids_async",
     "replica_is_live_async",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 
 from django.conf import settings
@@ -13,9 +12,9 @@ from engine.protocol import (
     GenerateRequest,
     cancel_message,
     cancel_stream,
-    output_stream,
     requests_stream,
 )
+from inference.gateway.reader import get_stream_reader
 
 # Cancel streams are read by every replica from where it joined; old entries only cost memory.
 CANCEL_STREAM_MAXLEN = 10_000
@@ -40,29 +39,18 @@ class EngineGateway:
                 )
             await pipe.execute()
 
-    async def read(
-        self, positions: dict[str, str], *, block_ms: int, count: int = 256
-    ) -> list[tuple[str, Event]]:
+    async def read(self, positions: dict[str, str], *, block_ms: int) -> list[tuple[str, Event]]:
         """Events after `positions` (request id -> last stream entry id read), advancing them.
 
-        Blocks up to `block_ms` when nothing is there yet; returns [] on timeout.
+        Blocks up to `block_ms` when nothing is there yet; returns [] on timeout. The streams are
+        read by the event loop's shared reader (inference.gateway.reader) until `forget`.
         """
-        streams = {output_stream(self.prefix, rid): last for rid, last in positions.items()}
-        reply = await get_async_redis().xread(streams, count=count, block=block_ms)
-        # redis-py's asyncio client sometimes swallows a cancellation that lands inside a blocking
-        # read, which then returns as if nothing happened: the stream of a client that went away
-        # would run to its end, unaborted. A swallowed cancel leaves the task's count raised.
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise asyncio.CancelledError()
-        events: list[tuple[str, Event]] = []
-        start = len(self.prefix) + len("out:")
-        for stream, entries in reply or []:
-            request_id = (stream.decode() if isinstance(stream, bytes) else stream)[start:]
-            for entry_id, fields in entries:
-                positions[request_id] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                events.append((request_id, Event.decode(fields)))
-        return events
+        entries = await get_stream_reader(self.prefix).read(positions, block_ms=block_ms)
+        return [(request_id, Event.decode(fields)) for request_id, (_, fields) in entries]
+
+    async def forget(self, request_ids: Iterable[str]) -> None:
+        """The requests ended: their streams are read no more."""
+        await get_stream_reader(self.prefix).forget(list(request_ids))
 
 
 def get_gateway() -> EngineGateway:

@@ -6,6 +6,7 @@ replica shutting down finishes what it runs but takes nothing new); new requests
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -31,6 +32,36 @@ def live_replica_ids(model: str) -> list[str]:
 async def live_replica_ids_async(model: str) -> list[str]:
     key = replicas_key(settings.REDIS_PREFIX, model)
     return _ids(await get_async_redis().zrangebyscore(key, _cutoff(), "+inf"))
+
+
+# How long the live set of a model read by one event loop serves its other requests. Requests
+# waiting out a long engine step all check their replica at the end of each wait: without it, every
+# one of them is a Redis round trip of its own, twice a second. Far below ENGINE_HEARTBEAT_TTL.
+LIVE_SET_MAX_AGE_S = 0.25
+
+_live_sets: dict[tuple[int, str], tuple[float, asyncio.Future]] = {}
+
+
+async def live_replica_set_async(model: str) -> frozenset[str]:
+    """The ids of `model`'s live replicas, shared by the running event loop's requests for up to
+    LIVE_SET_MAX_AGE_S (one read in flight at a time)."""
+    loop = asyncio.get_running_loop()
+    key = (id(loop), model)
+    now = time.monotonic()
+    cached = _live_sets.get(key)
+    if cached is None or cached[0] < now or cached[1].get_loop() is not loop:
+        future = loop.create_future()
+        _live_sets[key] = (now + LIVE_SET_MAX_AGE_S, future)
+        try:
+            ids = frozenset(await live_replica_ids_async(model))
+        except BaseException as exc:
+            _live_sets.pop(key, None)
+            future.set_exception(exc)
+            future.exception()  # retrieved: the requests sharing it see it through shield()
+            raise
+        future.set_result(ids)
+        return ids
+    return await asyncio.shield(cached[1])
 
 
 async def replica_is_live_async(model: str, replica_id: str) -> bool:

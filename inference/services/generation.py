@@ -27,9 +27,8 @@ from inference import metrics
 from inference.gateway import (
     EngineGateway,
     get_gateway,
-    live_replica_ids_async,
+    live_replica_set_async,
     ready_replica_ids_async,
-    replica_is_live_async,
 )
 from inference.gateway.queue_bounds import queue_place_release, queue_place_take
 from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
@@ -315,19 +314,24 @@ class Generation:
         has started yet keeps waiting while any replica lives: a dead replica's queue is reclaimed
         by a live one."""
         model = self.plan.model
-        for rid in list(self._pending):
+        live = await live_replica_set_async(model)
+        for rid in self._pending:
             replica = self._replicas.get(rid)
             if replica is not None:
-                if not await replica_is_live_async(model, replica):
+                if replica not in live:
                     raise ServiceUnavailableError(
                         "The engine replica serving this request stopped.", code="engine_unavailable"
                     )
-            elif not await live_replica_ids_async(model):
+            elif not live:
                 raise engine_unavailable(model)
 
     async def _finish(self) -> None:
         plan = self.plan
         await self._release_queue_places()
+        try:
+            await self.gateway.forget(plan.engine_request_ids)
+        except Exception:
+            logger.exception("could not stop reading the streams of %s", plan.request_id)
         if self.error_code == "queue_timeout":
             self.usage.prompt_tokens = 0  # dropped before anything was computed
         try:

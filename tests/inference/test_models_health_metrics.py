@@ -178,3 +178,31 @@ def test_admin_shows_live_replicas(world, engine_worker):
     assert row in page.content.decode()
     listing = client.get("/admin/inference/modeldeployment/")
     assert listing.status_code == 200
+
+
+async def test_the_live_set_is_one_read_for_every_request_checking_at_once(world):
+    import asyncio
+    import time
+
+    from core.redis_client import get_redis
+    from inference.gateway import live_replica_set_async
+    from inference.gateway.replicas import LIVE_SET_MAX_AGE_S
+
+    def zrange_calls() -> int:
+        return int(get_redis().info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0))
+
+    await world.faults.heartbeat()
+    before = zrange_calls()
+    # 32 streams whose waits ran out at the same moment (a long engine step) check their replicas.
+    sets = await asyncio.gather(*(live_replica_set_async(world.model) for _ in range(32)))
+    assert set(sets) == {frozenset({world.faults.replica_id})}
+    assert zrange_calls() - before == 1
+
+    # A replica that appears is seen once the snapshot is older than LIVE_SET_MAX_AGE_S.
+    from tests.inference.fault_injection import ProtocolFaultInjector
+
+    await ProtocolFaultInjector(world.model, replica_id="fault-injector-2").heartbeat()
+    deadline = time.monotonic() + 10
+    while "fault-injector-2" not in await live_replica_set_async(world.model):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(LIVE_SET_MAX_AGE_S / 5)

@@ -1,0 +1,171 @@
+"""Engine output read for a whole web process: one blocking XREAD per event loop for every request.
+
+Each request waiting on its own blocking XREAD costs the web process a Redis round trip, redis-py's
+parsing and an asyncio timeout per request per engine step: at 32 streams, 32 wake-ups a step, on
+32 connections. Here one reader task per event loop holds a single XREAD over every stream its
+requests wait on, buffers what comes back per stream, and wakes the requests that have something;
+an engine step that writes to every stream costs the process one or two reads.
+
+The blocked XREAD also waits on a wake stream of the reader's own: a request that registers a new
+stream appends to it, so the read returns and is sent again with the new stream. A read error is
+handed to every request waiting at that moment, and the registrations are dropped: each request's
+next read registers again from its own position, so nothing is skipped or read twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+
+from core.redis_client import get_async_redis
+from engine.protocol import output_stream
+
+# Entries per stream per read, as a request's own XREAD took them.
+COUNT = 256
+# How long the shared read blocks before it is sent again (new streams wake it at once).
+BLOCK_MS = 10_000
+# A registration that no request has read for this long belongs to a request that ended without
+# saying so (its task was killed); it is dropped.
+ABANDONED_S = 600.0
+WAKE_MAXLEN = 16
+WAKE_TTL_S = 3600
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    request_id: str
+    position: bytes  # the last entry id the shared read has taken
+    entries: list[Entry] = field(default_factory=list)
+    waiter: asyncio.Future | None = None
+    read_at: float = field(default_factory=time.monotonic)
+
+
+class StreamReader:
+    """The shared reader of one event loop (see the module docstring)."""
+
+    def __init__(self, prefix: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.prefix = prefix
+        self.loop = weakref.ref(loop)
+        self._streams: dict[bytes, _Stream] = {}
+        self._wake_key = f"{prefix}out-wake:{uuid.uuid4().hex}".encode()
+        self._wake_position = b"0-0"
+        self._task: asyncio.Task | None = None
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def read(self, positions: dict[str, str], *, block_ms: int) -> list[tuple[str, Entry]]:
+        """Entries after `positions` (request id -> last entry id read), oldest first per stream,
+        advancing `positions`; [] when nothing came within `block_ms`."""
+        streams: list[_Stream] = []
+        registered = False
+        for request_id, last in positions.items():
+            key = output_stream(self.prefix, request_id).encode()
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = _Stream(request_id, last.encode())
+                registered = True
+            streams.append(stream)
+        if registered:
+            await self._wake_or_start()
+        if not any(s.entries for s in streams):
+            waiter = asyncio.get_running_loop().create_future()
+            for stream in streams:
+                stream.waiter = waiter
+            try:
+                await asyncio.wait([waiter], timeout=block_ms / 1000)
+            finally:
+                for stream in streams:
+                    if stream.waiter is waiter:
+                        stream.waiter = None
+            if waiter.done() and isinstance(waiter.result(), BaseException):
+                raise waiter.result()
+        now = time.monotonic()
+        out: list[tuple[str, Entry]] = []
+        for stream in streams:
+            stream.read_at = now
+            if stream.entries:
+                out.extend((stream.request_id, entry) for entry in stream.entries)
+                stream.entries = []
+                positions[stream.request_id] = out[-1][1][0].decode()
+        return out
+
+    async def forget(self, request_ids: list[str]) -> None:
+        """Stop reading these requests' streams (they ended)."""
+        for request_id in request_ids:
+            self._streams.pop(output_stream(self.prefix, request_id).encode(), None)
+        if not self._streams and self._task is not None and not self._task.done():
+            await self._wake()  # the reader ends instead of holding a connection in a read
+
+    async def _wake_or_start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        else:
+            await self._wake()
+
+    async def _wake(self) -> None:
+        async with get_async_redis().pipeline(transaction=False) as pipe:
+            pipe.xadd(self._wake_key, {b"wake": b"1"}, maxlen=WAKE_MAXLEN, approximate=True)
+            pipe.expire(self._wake_key, WAKE_TTL_S)
+            await pipe.execute()
+
+    async def _run(self) -> None:
+        redis = get_async_redis()
+        restart = True
+        try:
+            while self._streams:
+                keys = {self._wake_key: self._wake_position}
+                keys.update((key, stream.position) for key, stream in self._streams.items())
+                reply = await redis.xread(keys, count=COUNT, block=BLOCK_MS)
+                for key, entries in reply or []:
+                    if not entries:
+                        continue
+                    if key == self._wake_key:
+                        self._wake_position = entries[-1][0]
+                        continue
+                    stream = self._streams.get(key)
+                    if stream is None:  # forgotten while the read was out
+                        continue
+                    stream.position = entries[-1][0]
+                    stream.entries.extend(entries)
+                    if stream.waiter is not None and not stream.waiter.done():
+                        stream.waiter.set_result(None)
+                self._drop_abandoned()
+        except Exception as exc:
+            # Every waiting request hears of it; the others meet it on their next read, which
+            # registers their streams again from their own positions.
+            for stream in self._streams.values():
+                if stream.waiter is not None and not stream.waiter.done():
+                    stream.waiter.set_result(exc)
+            self._streams.clear()
+        except asyncio.CancelledError:  # the loop is closing
+            restart = False
+            raise
+        finally:
+            self._task = None
+            if restart and self._streams:  # registered after the loop's last check: read on
+                self._task = asyncio.ensure_future(self._run())
+
+    def _drop_abandoned(self) -> None:
+        cutoff = time.monotonic() - ABANDONED_S
+        for key in [k for k, s in self._streams.items() if s.read_at < cutoff and s.waiter is None]:
+            del self._streams[key]
+
+
+_readers: dict[int, StreamReader] = {}
+
+
+def get_stream_reader(prefix: str) -> StreamReader:
+    """The running event loop's reader of `prefix`'s output streams."""
+    loop = asyncio.get_running_loop()
+    reader = _readers.get(id(loop))
+    # A loop's id can be a closed one's again: the reader must be this loop's own.
+    if reader is None or reader.loop() is not loop or reader.prefix != prefix:
+        reader = _readers[id(loop)] = StreamReader(prefix, loop)
+    return reader
