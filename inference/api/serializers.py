@@ -3,6 +3,7 @@ them (REST or the websocket)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from rest_framework import serializers
@@ -72,13 +73,19 @@ class CompletionInputSerializer(SamplingInputSerializer):
         return attrs
 
 
+@functools.cache
+def _field_names(serializer_class: type[serializers.Serializer]) -> frozenset[str]:
+    # A serializer deep-copies its declared fields whenever one is made: once per class is enough.
+    return frozenset(serializer_class().fields)
+
+
 def generation_input(body: Any, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
     """A generation body's validated data; the first unsupported, unknown or invalid field is an
     InvalidRequestError naming it."""
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     try:
-        refuse_unsupported(body, set(serializer_class().fields))
+        refuse_unsupported(body, _field_names(serializer_class))
     except serializers.ValidationError as exc:
         raise to_platform_error(exc) from exc
     return validated(serializer_class, body)
