@@ -10,7 +10,6 @@ from inference.gateway.replicas import (
     live_replica_set_async,
     ready_replica_ids,
     ready_replica_ids_async,
-    replica_is_live_async,
     replica_stats_list,
 )
 
@@ -22,6 +21,5 @@ __all__ = [
     "live_replica_set_async",
     "ready_replica_ids",
     "ready_replica_ids_async",
-    "replica_is_live_async",
     "replica_stats_list",
 ]

@@ -60,6 +60,10 @@ class StreamReader:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def _reading(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     async def read(self, positions: dict[str, str], *, block_ms: int) -> list[tuple[str, Entry]]:
         """Entries after `positions` (request id -> last entry id read), oldest first per stream,
         advancing `positions`; [] when nothing came within `block_ms`."""
@@ -100,14 +104,14 @@ class StreamReader:
         """Stop reading these requests' streams (they ended)."""
         for request_id in request_ids:
             self._streams.pop(output_stream(self.prefix, request_id).encode(), None)
-        if not self._streams and self._task is not None and not self._task.done():
+        if not self._streams and self._reading:
             await self._wake()  # the reader ends instead of holding a connection in a read
 
     async def _wake_or_start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
-        else:
+        if self._reading:
             await self._wake()
+        else:
+            self._task = asyncio.ensure_future(self._run())
 
     async def _wake(self) -> None:
         async with get_async_redis().pipeline(transaction=False) as pipe:

@@ -64,11 +64,6 @@ async def live_replica_set_async(model: str) -> frozenset[str]:
     return await asyncio.shield(cached[1])
 
 
-async def replica_is_live_async(model: str, replica_id: str) -> bool:
-    score = await get_async_redis().zscore(replicas_key(settings.REDIS_PREFIX, model), replica_id)
-    return score is not None and score >= _cutoff()
-
-
 def _without_draining(ids: list[str], raw: list) -> list[str]:
     # Only the flag is read: a replica whose stats this process cannot decode (a newer engine's
     # fields, a key that expired a moment before its score) counts as ready, as it counts as live.

@@ -12,6 +12,7 @@ import pytest
 from core.redis_client import get_redis
 from engine.protocol import output_stream
 from inference.gateway.reader import BLOCK_MS, StreamReader, get_stream_reader
+from tests.helpers import async_wait_until
 
 # Well below the reader's own BLOCK_MS: a read that waited for the block to run out fails.
 PROMPT_S = min(5.0, BLOCK_MS / 2000)
@@ -35,13 +36,6 @@ def _xread_calls() -> int:
     return int(get_redis().info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
 
 
-async def _until(condition, deadline_s: float = 10.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.01)
-
-
 async def test_one_read_serves_every_waiting_stream_in_order(prefix):
     reader = StreamReader(prefix, asyncio.get_running_loop())
     request_ids = [f"r{i}" for i in range(16)]
@@ -56,7 +50,7 @@ async def test_one_read_serves_every_waiting_stream_in_order(prefix):
 
     steps = 20
     consumers = [asyncio.ensure_future(consume(rid, steps)) for rid in request_ids]
-    await _until(lambda: reader.num_streams == len(request_ids))
+    await async_wait_until(lambda: reader.num_streams == len(request_ids))
     await asyncio.sleep(0.05)  # let the shared read block on every stream
     calls_before = _xread_calls()
     for step in range(steps):
@@ -65,7 +59,7 @@ async def test_one_read_serves_every_waiting_stream_in_order(prefix):
         for rid in request_ids:
             pipe.xadd(output_stream(prefix, rid), {b"v": f"{rid}-{step}".encode()})
         pipe.execute()
-        await _until(lambda step=step: all(len(received[r]) > step for r in request_ids))
+        await async_wait_until(lambda step=step: all(len(received[r]) > step for r in request_ids))
     await asyncio.wait_for(asyncio.gather(*consumers), 30)
     calls = _xread_calls() - calls_before
 
@@ -76,7 +70,7 @@ async def test_one_read_serves_every_waiting_stream_in_order(prefix):
     # A read per request per step would be 16 x 20 = 320.
     assert calls <= 3 * steps, calls
     await reader.forget(request_ids)
-    await _until(lambda: reader._task is None)
+    await async_wait_until(lambda: reader._task is None)
 
 
 async def test_entries_written_before_the_first_read_are_returned(prefix):
@@ -98,7 +92,7 @@ async def test_a_new_stream_wakes_the_blocked_read(prefix):
     reader = StreamReader(prefix, asyncio.get_running_loop())
     # The shared read blocks on stream a (for BLOCK_MS) before b is registered.
     assert await reader.read({"a": "0-0"}, block_ms=50) == []
-    await _until(lambda: reader._task is not None)
+    await async_wait_until(lambda: reader._task is not None)
     await asyncio.sleep(0.1)
 
     async def read_b() -> list:
@@ -106,13 +100,13 @@ async def test_a_new_stream_wakes_the_blocked_read(prefix):
 
     started = time.monotonic()
     task = asyncio.ensure_future(read_b())
-    await _until(lambda: reader.num_streams == 2)
+    await async_wait_until(lambda: reader.num_streams == 2)
     _xadd(prefix, "b", "hello")
     [(rid, (_, fields))] = await asyncio.wait_for(task, 30)
     assert (rid, fields[b"v"]) == ("b", b"hello")
     assert time.monotonic() - started < PROMPT_S
     await reader.forget(["a", "b"])
-    await _until(lambda: reader._task is None)
+    await async_wait_until(lambda: reader._task is None)
 
 
 async def test_nothing_within_the_block_is_an_empty_read(prefix):
@@ -121,7 +115,7 @@ async def test_nothing_within_the_block_is_an_empty_read(prefix):
     assert await reader.read(positions, block_ms=100) == []
     assert positions == {"quiet": "0-0"}
     await reader.forget(["quiet"])
-    await _until(lambda: reader._task is None)
+    await async_wait_until(lambda: reader._task is None)
 
 
 async def test_a_read_error_reaches_the_waiting_requests_and_reading_resumes(prefix):
@@ -141,7 +135,7 @@ async def test_a_read_error_reaches_the_waiting_requests_and_reading_resumes(pre
     got = await reader.read(positions, block_ms=30_000)
     assert [fields[b"v"] for _, (_, fields) in got] == [b"after"]  # nothing skipped or repeated
     await reader.forget(["good", "bad"])
-    await _until(lambda: reader._task is None)
+    await async_wait_until(lambda: reader._task is None)
 
 
 async def test_each_event_loop_has_its_own_reader(prefix):
