@@ -40,9 +40,11 @@ MODEL = "e2e-tiny-drain"
 MAX_MODEL_LEN = 2048
 DRAIN_GRACE_S = 60
 MESSAGES = [{"role": "user", "content": "Describe the five roofs of the pagoda, one by one."}]
-# The two requests the drained replica is running when the signal comes: long enough to still run
-# while the test sends the rest and signals, short enough to finish well within the grace period.
-LONG_MAX_TOKENS = 1000
+# The two requests the drained replica is running when the signal comes: as long as the context
+# allows, so that they still run in the moments the replica is not frozen before the signal (on a
+# fast machine the tiny model writes a thousand tokens in under a second), and short enough to
+# finish well within the grace period.
+LONG_MAX_TOKENS = 1900
 SHORT_MAX_TOKENS = 24
 NUM_SHORT = 12
 LONG = {"ignore_eos": True}
@@ -99,6 +101,15 @@ def held_request_ids(replica_id: str) -> set[str]:
         for _, fields in redis.xrange(stream, row["message_id"], row["message_id"]):
             ids.add(GenerateRequest.decode(fields).request_id)
     return ids
+
+
+def undelivered_request_count() -> int:
+    """Entries of the model's stream that no replica has taken yet."""
+    redis = get_redis()
+    stream = requests_stream(settings.REDIS_PREFIX, MODEL)
+    group = next(g for g in redis.xinfo_groups(stream) if g["name"].decode() == CONSUMER_GROUP)
+    last = group["last-delivered-id"].decode()
+    return len(redis.xrange(stream, f"({last}", "+"))
 
 
 def answered_by(request_id: str) -> set[str]:
@@ -158,13 +169,26 @@ def test_a_replica_drained_under_load_hands_back_what_it_had_not_started_and_los
                 what="a to stream both long requests",
             )
             started = held_request_ids("a")
-            shorts = [
-                pool.submit(stream_chat, client, SHORT_MAX_TOKENS)
-                if i % 2
-                else pool.submit(complete, client, i)
-                for i in range(NUM_SHORT)
-            ]
-            stack.wait_until(lambda: len(held_request_ids("a")) == 6, timeout=60, what="a to hold six")
+            # a is frozen while the short requests are queued, so its two streams do not run on
+            # for as long as that takes; it takes four of them as soon as it runs again.
+            replica_a.send_signal(signal.SIGSTOP)
+            try:
+                shorts = [
+                    pool.submit(stream_chat, client, SHORT_MAX_TOKENS)
+                    if i % 2
+                    else pool.submit(complete, client, i)
+                    for i in range(NUM_SHORT)
+                ]
+                stack.wait_until(
+                    lambda: undelivered_request_count() == NUM_SHORT,
+                    timeout=60,
+                    what="the short requests to be queued",
+                )
+            finally:
+                replica_a.send_signal(signal.SIGCONT)
+            stack.wait_until(
+                lambda: len(held_request_ids("a")) == 6, timeout=60, what="a to hold six", interval=0.02
+            )
             waiting = held_request_ids("a") - started
             assert all(engine_events(rid) == [] for rid in waiting)
 
