@@ -48,9 +48,8 @@ class _Stream:
 class StreamReader:
     """The shared reader of one event loop (see the module docstring)."""
 
-    def __init__(self, prefix: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.loop = weakref.ref(loop)
         self._streams: dict[bytes, _Stream] = {}
         self._wake_key = f"{prefix}out-wake:{uuid.uuid4().hex}".encode()
         self._wake_position = b"0-0"
@@ -162,14 +161,16 @@ class StreamReader:
             del self._streams[key]
 
 
-_readers: dict[int, StreamReader] = {}
+# Each event loop's readers, by prefix; they go with their loop.
+_readers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, StreamReader]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def get_stream_reader(prefix: str) -> StreamReader:
     """The running event loop's reader of `prefix`'s output streams."""
-    loop = asyncio.get_running_loop()
-    reader = _readers.get(id(loop))
-    # A loop's id can be a closed one's again: the reader must be this loop's own.
-    if reader is None or reader.loop() is not loop or reader.prefix != prefix:
-        reader = _readers[id(loop)] = StreamReader(prefix, loop)
+    readers = _readers.setdefault(asyncio.get_running_loop(), {})
+    reader = readers.get(prefix)
+    if reader is None:
+        reader = readers[prefix] = StreamReader(prefix)
     return reader

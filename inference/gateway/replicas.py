@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 
 from django.conf import settings
 
@@ -39,29 +40,36 @@ async def live_replica_ids_async(model: str) -> list[str]:
 # one of them is a Redis round trip of its own, twice a second. Far below ENGINE_HEARTBEAT_TTL.
 LIVE_SET_MAX_AGE_S = 0.25
 
-_live_sets: dict[tuple[int, str], tuple[float, asyncio.Future]] = {}
+# Each event loop's live sets, by model: (expiry, the set, or the read of it while in flight). A
+# finished read leaves only its set, so the entries go with their loop.
+_live_sets: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[str, tuple[float, frozenset[str] | asyncio.Future]]
+] = weakref.WeakKeyDictionary()
 
 
 async def live_replica_set_async(model: str) -> frozenset[str]:
     """The ids of `model`'s live replicas, shared by the running event loop's requests for up to
     LIVE_SET_MAX_AGE_S (one read in flight at a time)."""
     loop = asyncio.get_running_loop()
-    key = (id(loop), model)
+    live_sets = _live_sets.setdefault(loop, {})
     now = time.monotonic()
-    cached = _live_sets.get(key)
-    if cached is None or cached[0] < now or cached[1].get_loop() is not loop:
-        future = loop.create_future()
-        _live_sets[key] = (now + LIVE_SET_MAX_AGE_S, future)
-        try:
-            ids = frozenset(await live_replica_ids_async(model))
-        except BaseException as exc:
-            _live_sets.pop(key, None)
-            future.set_exception(exc)
-            future.exception()  # retrieved: the requests sharing it see it through shield()
-            raise
-        future.set_result(ids)
-        return ids
-    return await asyncio.shield(cached[1])
+    cached = live_sets.get(model)
+    if cached is not None and cached[0] >= now:
+        ids_or_read = cached[1]
+        return ids_or_read if isinstance(ids_or_read, frozenset) else await asyncio.shield(ids_or_read)
+    expiry, read = now + LIVE_SET_MAX_AGE_S, loop.create_future()
+    live_sets[model] = (expiry, read)
+    try:
+        ids = frozenset(await live_replica_ids_async(model))
+    except BaseException as exc:
+        live_sets.pop(model, None)
+        read.set_exception(exc)
+        read.exception()  # retrieved: the requests sharing it see it through shield()
+        raise
+    if live_sets.get(model) == (expiry, read):  # not replaced by a later read meanwhile
+        live_sets[model] = (expiry, ids)
+    read.set_result(ids)
+    return ids
 
 
 def _without_draining(ids: list[str], raw: list) -> list[str]:

@@ -37,7 +37,7 @@ def _xread_calls() -> int:
 
 
 async def test_one_read_serves_every_waiting_stream_in_order(prefix):
-    reader = StreamReader(prefix, asyncio.get_running_loop())
+    reader = StreamReader(prefix)
     request_ids = [f"r{i}" for i in range(16)]
     positions = {rid: {rid: "0-0"} for rid in request_ids}
     received: dict[str, list[bytes]] = {rid: [] for rid in request_ids}
@@ -74,14 +74,14 @@ async def test_one_read_serves_every_waiting_stream_in_order(prefix):
 
 
 async def test_entries_written_before_the_first_read_are_returned(prefix):
-    reader = StreamReader(prefix, asyncio.get_running_loop())
+    reader = StreamReader(prefix)
     first = _xadd(prefix, "a", "one")
     _xadd(prefix, "a", "two")
     positions = {"a": "0-0"}
     got = await reader.read(positions, block_ms=5_000)
     assert [fields[b"v"] for _, (_, fields) in got] == [b"one", b"two"]
     # From a later position only what follows it.
-    later = StreamReader(prefix, asyncio.get_running_loop())
+    later = StreamReader(prefix)
     got = await later.read({"a": first.decode()}, block_ms=5_000)
     assert [fields[b"v"] for _, (_, fields) in got] == [b"two"]
     await reader.forget(["a"])
@@ -89,7 +89,7 @@ async def test_entries_written_before_the_first_read_are_returned(prefix):
 
 
 async def test_a_new_stream_wakes_the_blocked_read(prefix):
-    reader = StreamReader(prefix, asyncio.get_running_loop())
+    reader = StreamReader(prefix)
     # The shared read blocks on stream a (for BLOCK_MS) before b is registered.
     assert await reader.read({"a": "0-0"}, block_ms=50) == []
     await async_wait_until(lambda: reader._task is not None)
@@ -110,7 +110,7 @@ async def test_a_new_stream_wakes_the_blocked_read(prefix):
 
 
 async def test_nothing_within_the_block_is_an_empty_read(prefix):
-    reader = StreamReader(prefix, asyncio.get_running_loop())
+    reader = StreamReader(prefix)
     positions = {"quiet": "0-0"}
     assert await reader.read(positions, block_ms=100) == []
     assert positions == {"quiet": "0-0"}
@@ -119,7 +119,7 @@ async def test_nothing_within_the_block_is_an_empty_read(prefix):
 
 
 async def test_a_read_error_reaches_the_waiting_requests_and_reading_resumes(prefix):
-    reader = StreamReader(prefix, asyncio.get_running_loop())
+    reader = StreamReader(prefix)
     _xadd(prefix, "good", "before")
     positions = {"good": "0-0"}
     [(_, (_, fields))] = await reader.read(positions, block_ms=5_000)
