@@ -111,6 +111,9 @@ if _database_url:
         # request holds a PostgreSQL connection, and a burst exceeds the server's max_connections.
         # With one, a burst waits for one of at most PAGODA_DB_POOL_MAX connections per process.
         DATABASES["default"]["OPTIONS"]["pool"] = {"min_size": 1, "max_size": _db_pool_max, "timeout": 30}
+    # A connection is tested as it leaves the pool (or, without one, before a request reuses it),
+    # so those a database restart broke are replaced instead of failing the request that drew them.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     # Every ASGI request runs its database work in a thread of its own, so a busy server has many
@@ -163,6 +166,8 @@ CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A Redis outage of any length: the worker and beat wait for the broker instead of exiting.
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BEAT_SCHEDULE: dict = {
     # Today's and yesterday's ledger into UsageDaily (idempotent: a late row is picked up next run).
     "tenants-usage-rollup": {
@@ -171,6 +176,12 @@ CELERY_BEAT_SCHEDULE: dict = {
     },
     # Adapters whose validation was never run (broker down at upload, worker lost mid-check).
     "inference-adapter-validate-lost": {"task": "inference.tasks.adapter_validate_lost", "schedule": 300.0},
+    # Requests whose web process died, and ledger rows that waited for the database.
+    "inference-settlements-sweep": {
+        "task": "inference.tasks.settlements_sweep",
+        "schedule": 10.0,
+        "options": {"expires": 10.0},
+    },
 }
 
 AUTH_PASSWORD_VALIDATORS = [

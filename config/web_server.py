@@ -189,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host, port=args.port, unix_socket=args.unix_socket, file_descriptor=args.fd
     )
     application = guarantee_single_callable(import_by_path(args.application))
+    # This process owns the requests it admits, and settles those that a dead one left behind.
+    from inference.services.settler import settler_start
+
+    settler_start()
     server = DrainingServer(
         application,
         drain_grace_s=grace,

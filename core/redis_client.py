@@ -14,6 +14,8 @@ from django.conf import settings
 # the cap stays below redis-server's default maxclients (10000).
 MAX_CONNECTIONS = 4096
 POOL_TIMEOUT_S = 30
+# Redis unreachable (down, restarting, a network blip), as both clients raise it.
+REDIS_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
 @functools.cache

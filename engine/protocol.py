@@ -8,6 +8,12 @@ Redis layout (every key starts with the deployment's prefix, e.g. "pagoda:"):
                                  of one model share it; a request is acked when it has finished.
 - `{prefix}out:{request_id}`     stream of events for one request (delta, finished, error), with a TTL;
                                  replayable, so a late or reconnecting reader loses nothing.
+                                 Entry ids are `<ms>-<n>`: the replica that runs the request numbers its
+                                 events 0, 1, 2, ... under one millisecond stamp, so a write resent
+                                 after a lost connection is refused as a duplicate, and a reader sees
+                                 a gap when entries were lost.
+- `{prefix}usage:{request_id}`   the request's last event (finished or error, with its usage), kept an
+                                 hour: what a settler bills when the web process that took it is gone.
 - `{prefix}cancel:{model}`       stream of request ids to abort; every replica reads all of it.
 - `{prefix}engines:{model}`      sorted set of replica ids scored by their last heartbeat (unix time).
 - `{prefix}engine:{model}:{replica_id}`  JSON stats of one replica, with a TTL.
@@ -35,6 +41,24 @@ def requests_stream(prefix: str, model: str) -> str:
 
 def output_stream(prefix: str, request_id: str) -> str:
     return f"{prefix}out:{request_id}"
+
+
+def usage_key(prefix: str, request_id: str) -> str:
+    return f"{prefix}usage:{request_id}"
+
+
+def entry_gap(previous: bytes | str | None, current: bytes | str) -> bool:
+    """Whether entries were lost between two consecutive entries of an output stream as one reader
+    saw them (`previous` None: `current` is the first). Within one replica's run of a request the
+    numbers go 0, 1, 2, ... under one stamp; a new stamp (a replica that took the request over)
+    starts at 0 again."""
+    ms, _, seq = (current.decode() if isinstance(current, bytes) else current).partition("-")
+    if previous is None:
+        return int(seq or 0) != 0
+    prev_ms, _, prev_seq = (previous.decode() if isinstance(previous, bytes) else previous).partition("-")
+    if prev_ms == ms:
+        return int(seq or 0) != int(prev_seq or 0) + 1
+    return int(seq or 0) != 0
 
 
 def cancel_stream(prefix: str, model: str) -> str:

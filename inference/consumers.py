@@ -30,6 +30,7 @@ from typing import Any
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
+from core.api.exceptions import to_platform_error
 from core.concurrency import blocking
 from core.errors import AuthenticationError, InvalidRequestError, PlatformError
 from core.request_ids import new_request_id
@@ -153,6 +154,14 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     async def _run(self, stream_id: str, body: Any) -> None:
         try:
             await self._generate(stream_id, body)
+        except Exception as exc:
+            # Whatever ended the stream (Redis unreachable, a bug in a formatter), its client hears
+            # of it: it waits for a `done` or an `error`. The generation settled in its own finally.
+            error = to_platform_error(exc)
+            if error is None:
+                logger.exception("stream %r failed", stream_id)
+                error = PlatformError()
+            await self._error(stream_id, error)
         finally:
             self.streams.pop(stream_id, None)
 

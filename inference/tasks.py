@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from inference.services import adapters
+from inference.services import adapters, settler
 
 
 @shared_task(name=adapters.VALIDATE_TASK)
@@ -17,3 +17,11 @@ def adapter_validate(adapter_id: int, version: str) -> str:
 def adapter_validate_lost() -> int:
     """Periodic: queue validation again for adapters whose result never came."""
     return adapters.adapter_validate_lost()
+
+
+@shared_task(name="inference.tasks.settlements_sweep")
+def settlements_sweep() -> dict[str, int]:
+    """Periodic: settle what web processes that died left behind, and write the ledger rows that
+    waited for the database (the web processes sweep too; one sweep runs at a time)."""
+    counts = settler.settler_sweep()
+    return {name: getattr(counts, name) for name in counts.__slots__}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up and run the whole platform on this machine: venv, migrations, a demo model, tenant, user
 # and key (printed), then web (daphne, through config.web_server), one engine worker, celery worker
-# and beat. Ctrl-C stops all.
+# and beat, all under supervisord, which restarts any that dies. Ctrl-C stops all.
 #
 # Zero-config: SQLite (var/db.sqlite3) when DATABASE_URL is unset, an embedded redis-server when
 # REDIS_URL is unset. Secrets are generated once into var/ unless SECRET_KEY / API_KEY_PEPPER are set.
@@ -32,20 +32,93 @@ case "${PAGODA_DEMO_MODEL:-smollm2}" in
 esac
 PY=.venv/bin/python
 
-# Start the embedded redis (if REDIS_URL is unset) once, and share it with every process. It runs as
-# a daemon, outside this process group: stop it on the way out, unless it was already running.
-embedded_redis_pid=""
+# Every long-running process runs under supervisord (the `supervisor` package): one that dies is
+# started again (with a line in the log, and backoff while it keeps failing to start), and Ctrl-C
+# stops them all, each drained first (SIGTERM, then SIGKILL after 45 s). The embedded redis (when
+# REDIS_URL is unset) is one of them, started first, so that the set-up commands below reach it.
+CONF=var/supervisord.conf
+embedded=false
 if [ -z "${REDIS_URL:-}" ]; then
-  already_running=false
-  if [ -s var/redis.pid ] && kill -0 "$(cat var/redis.pid)" 2>/dev/null; then already_running=true; fi
-  export REDIS_URL=$($PY -c "from pathlib import Path; from config.embedded_redis import ensure_embedded_redis; print(ensure_embedded_redis(Path('var').resolve()))")
-  if [ "$already_running" = false ] && [ -s var/redis.pid ]; then embedded_redis_pid=$(cat var/redis.pid); fi
+  embedded=true
+  # One left running by an earlier start (before supervision, or daemonized by a manage.py
+  # command) would hold the socket: stop it; it saves its data on the way out.
+  if [ -s var/redis.pid ] && kill -0 "$(cat var/redis.pid)" 2>/dev/null; then
+    kill -TERM "$(cat var/redis.pid)" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$(cat var/redis.pid)" 2>/dev/null || break; sleep 0.1; done
+  fi
+  rm -f var/redis.pid
+  export REDIS_URL="unix://$PWD/var/redis.sock"
 fi
-stop_embedded_redis() {
-  # SIGTERM: redis saves its snapshot to var/ and exits.
-  if [ -n "$embedded_redis_pid" ]; then kill -TERM "$embedded_redis_pid" 2>/dev/null || true; fi
+# Half the cores for the engine's CPU threads, the rest for daphne and celery: OpenMP threads beyond
+# the free cores wait on each other at every barrier and make each step many times slower.
+cores=$(nproc 2>/dev/null || echo 2)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / 2 > 0 ? cores / 2 : 1 ))}
+
+program() {  # name, priority, autostart, command
+  cat <<EOF
+[program:$1]
+command=$4
+directory=$PWD
+priority=$2
+autostart=$3
+autorestart=true
+startsecs=3
+startretries=1000000
+stopsignal=TERM
+stopwaitsecs=45
+stopasgroup=true
+killasgroup=true
+redirect_stderr=true
+stdout_logfile=/dev/stdout
+stdout_logfile_maxbytes=0
+
+EOF
 }
-trap stop_embedded_redis EXIT
+{
+  cat <<EOF
+[supervisord]
+nodaemon=true
+logfile=$PWD/var/supervisord.log
+pidfile=$PWD/var/supervisord.pid
+childlogdir=$PWD/var
+
+[unix_http_server]
+file=$PWD/var/supervisor.sock
+chmod=0700
+
+[supervisorctl]
+serverurl=unix://$PWD/var/supervisor.sock
+
+[rpcinterface:supervisor]
+supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
+
+EOF
+  if [ "$embedded" = true ]; then program redis 1 true "$PWD/$PY -m config.embedded_redis $PWD/var"; fi
+  program web 10 false "$PWD/$PY -m config.web_server -b 127.0.0.1 -p $PORT config.asgi:application"
+  program engine 10 false "$PWD/$PY manage.py run_engine --model $MODEL_NAME"
+  program celery-worker 20 false "$PWD/.venv/bin/celery -A config worker --loglevel=warning --concurrency=1"
+  program celery-beat 20 false "$PWD/.venv/bin/celery -A config beat --loglevel=warning --schedule=$PWD/var/celerybeat-schedule"
+} > "$CONF"
+
+.venv/bin/supervisord -c "$CONF" &
+supervisor_pid=$!
+stop_all() {
+  # supervisord stops every program (each drains first) and exits; a second Ctrl-C must not cut
+  # that short and leave the engine or redis running.
+  trap '' INT TERM
+  trap - EXIT
+  kill -TERM "$supervisor_pid" 2>/dev/null || true
+  wait "$supervisor_pid" 2>/dev/null || true
+}
+trap stop_all INT TERM EXIT
+ctl() { .venv/bin/supervisorctl -c "$CONF" "$@"; }
+for _ in $(seq 1 100); do [ -S var/supervisor.sock ] && ctl pid >/dev/null 2>&1 && break; sleep 0.1; done
+if [ "$embedded" = true ]; then
+  for _ in $(seq 1 100); do
+    $PY -c "import redis; redis.Redis(unix_socket_path='var/redis.sock').ping()" 2>/dev/null && break
+    sleep 0.1
+  done
+fi
 
 $PY manage.py migrate --noinput
 $PY manage.py collectstatic --noinput >/dev/null
@@ -59,40 +132,12 @@ fi
 $PY manage.py model_register --name "$MODEL_NAME" --path "$MODEL_DIR"
 demo=$($PY manage.py create_demo_tenant --models "$MODEL_NAME")
 
-pids=()
-cleanup() {
-  # A second signal (Ctrl-C twice, or timeout and a process-group kill together) must not cut the
-  # cleanup short and leave the engine or the embedded redis running.
-  trap '' INT TERM
-  trap - EXIT
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  # The engine and web drain their running requests first (30 s at most each, at the same time);
-  # anything still up after that is killed.
-  for _ in $(seq 1 70); do
-    alive=false
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=true; done
-    [ "$alive" = false ] && break
-    sleep 0.5
-  done
-  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-  wait || true
-  stop_embedded_redis
-}
-trap cleanup INT TERM EXIT
-
-$PY -m config.web_server -b 127.0.0.1 -p "$PORT" config.asgi:application & pids+=($!)
-# Half the cores for the engine's CPU threads, the rest for daphne and celery: OpenMP threads beyond
-# the free cores wait on each other at every barrier and make each step many times slower.
-cores=$(nproc 2>/dev/null || echo 2)
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / 2 > 0 ? cores / 2 : 1 ))} \
-  $PY manage.py run_engine --model "$MODEL_NAME" & pids+=($!)
-.venv/bin/celery -A config worker --loglevel=warning --concurrency=1 & pids+=($!)
-.venv/bin/celery -A config beat --loglevel=warning --schedule=var/celerybeat-schedule & pids+=($!)
+ctl start web engine celery-worker celery-beat >/dev/null
 
 # Wait for the engine's first heartbeat, so the banner below means requests are served.
 for _ in $(seq 1 240); do
   $PY manage.py engine_alive --model "$MODEL_NAME" >/dev/null 2>&1 && break
-  kill -0 "${pids[1]}" 2>/dev/null || break  # the engine exited: `wait -n` below reports it
+  kill -0 "$supervisor_pid" 2>/dev/null || break
   sleep 1
 done
 echo
@@ -102,5 +147,6 @@ echo "$demo" | sed 's/^/  /'
 echo "Try it:"
 echo "  curl http://127.0.0.1:$PORT/v1/chat/completions -H \"Authorization: Bearer $(echo "$demo" | sed -n 's/^api_key: //p')\" \\"
 echo "    -H 'Content-Type: application/json' -d '{\"model\": \"$MODEL_NAME\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+echo "A process that dies is started again (.venv/bin/supervisorctl -c $CONF status)."
 echo "Press Ctrl-C to stop every process."
-wait -n "${pids[@]}"
+wait "$supervisor_pid"

@@ -44,3 +44,58 @@ class Reservation:
     # The month ("YYYY-MM") whose quota counter was charged, so a settle after midnight on the
     # last day corrects the right one.
     quota_period: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """What a request's ledger row says besides its counts, fixed when it is admitted."""
+
+    model: str
+    adapter: str | None = None
+    end_user: str = ""
+    prompt_cache_key: str = ""
+    service_tier: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What a request is billed: its counts and outcome, decided once (see admission_settle)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    status: str = "success"  # success | error | cancelled
+    time_to_first_token_ms: float | None = None
+    latency_ms: float = 0.0
+    finished_at: float = 0.0  # unix time; the ledger row's created_at
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSettlement:
+    """A reservation whose ledger row is not written yet, as a settler finds it."""
+
+    tenant_id: int
+    request_id: str
+    api_key_id: int
+    quota_period: str
+    reserved_tokens: int
+    admitted_at: float  # unix time
+    ledger: LedgerEntry
+    owner: str  # the process that admitted it (it settles it while alive)
+    extra: dict  # what the admitting app kept for itself
+    final: Settlement | None  # settled, the ledger row still to write
+    abandoned_at: float | None  # when a settler found its owner gone
+
+    @property
+    def reservation(self) -> Reservation:
+        return Reservation(
+            request_id=self.request_id,
+            tenant_id=self.tenant_id,
+            api_key_id=self.api_key_id,
+            reserved_tokens=self.reserved_tokens,
+            quota_period=self.quota_period,
+        )

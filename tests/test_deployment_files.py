@@ -77,3 +77,23 @@ def test_dockerfile_installs_requirements_and_serves_asgi():
     assert "pip install -r requirements.txt" in dockerfile
     assert "config.asgi:application" in dockerfile
     assert "\nUSER " in dockerfile
+
+
+def test_compose_restarts_every_long_running_service_and_persists_redis_every_second():
+    services = _compose()["services"]
+    for name in ("postgres", "redis", "web", "engine", "celery-worker", "celery-beat"):
+        assert services[name]["restart"] in ("unless-stopped", "always", "on-failure"), name
+    for name in ("migrate", "demo-model"):
+        assert services[name]["restart"] == "no", name
+    redis_cmd = _command(services["redis"])
+    assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
+    assert redis_cmd[redis_cmd.index("--appendfsync") + 1] == "everysec"
+
+
+def test_compose_serves_smollm2_by_default_and_registers_it_before_the_engine_starts():
+    services = _compose()["services"]
+    assert services["engine"]["environment"]["MODEL"] == "smollm2"
+    assert "MODEL:-smollm2" in " ".join(_command(services["engine"]))
+    setup = " ".join(_command(services["demo-model"]))
+    assert "fetch-demo-model" in setup and "model_register --name smollm2" in setup
+    assert services["engine"]["depends_on"]["demo-model"]["condition"] == "service_completed_successfully"

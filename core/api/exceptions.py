@@ -10,6 +10,8 @@ import logging
 
 from django.conf import settings
 from django.core.exceptions import BadRequest, PermissionDenied, RequestDataTooBig, SuspiciousOperation
+from django.db import InterfaceError as DatabaseInterfaceError
+from django.db import OperationalError as DatabaseOperationalError
 from django.http import Http404, JsonResponse
 from django.http.multipartparser import MultiPartParserError
 from rest_framework import exceptions as drf
@@ -25,8 +27,12 @@ from core.errors import (
     RequestTooLargeError,
     ServiceUnavailableError,
 )
+from core.redis_client import REDIS_CONNECTION_ERRORS
 
 logger = logging.getLogger(__name__)
+
+# A dependency that is down (Redis, PostgreSQL): the client should retry after this many seconds.
+DEPENDENCY_RETRY_AFTER_S = 5
 
 
 def _first_error(detail, path: str = "") -> tuple[str | None, str, str]:
@@ -91,6 +97,14 @@ def to_platform_error(exc: Exception) -> PlatformError | None:
         error = PlatformError(_message_of(exc), code=str(exc.default_code))
         error.status_code = exc.status_code
         return error
+    if isinstance(exc, (*REDIS_CONNECTION_ERRORS, DatabaseOperationalError, DatabaseInterfaceError)):
+        # Logged once per outage by whatever watches the dependency, not once per request.
+        what = "queue" if isinstance(exc, REDIS_CONNECTION_ERRORS) else "database"
+        return ServiceUnavailableError(
+            f"The service is temporarily unavailable (its {what} cannot be reached). Please retry "
+            f"in {DEPENDENCY_RETRY_AFTER_S} seconds.",
+            headers={"retry-after": str(DEPENDENCY_RETRY_AFTER_S)},
+        )
     return None
 
 

@@ -5,6 +5,11 @@ idle), apply cancels, one engine step, then one pipeline with every event of the
 of the requests that ended. Delivery is at-least-once; what keeps a reader from seeing an answer
 twice is that a reclaimed request which had already streamed is failed, never run again.
 
+Redis unreachable (restarting, a blip, an outage): the loop stops stepping, keeps every request
+it holds with its sequences and unsent events, and retries with backoff, logging once when the
+connection is lost and once when it is back; then it carries on where it was (its stream cursors,
+its unsent events, which are written exactly once). It does not exit.
+
 Draining (the first stop request): nothing new is taken; requests held here that have not started
 (nothing streamed, no sequence running in the engine) go back to the stream at once for another
 replica; the running ones get `drain_grace_s` to finish, after which the replica stops as at a
@@ -25,7 +30,7 @@ from engine.lora.errors import LoRADisabledError, LoRALoadError
 from engine.protocol import Event, GenerateRequest, ProtocolError, ReplicaStats, Usage
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.worker.outputs import HeldRequest, events_for_output
-from engine.worker.queue import RequestQueue
+from engine.worker.queue import CONNECTION_ERRORS, RequestQueue
 from engine.worker.settings import WorkerSettings
 
 logger = logging.getLogger("engine.worker")
@@ -34,6 +39,8 @@ EXIT_OK = 0
 EXIT_ENGINE_FAILED = 1
 # A loop that has not come round for this long is wedged: its heartbeat thread stops beating.
 STALL_LIMIT_S = 120.0
+# Longest wait between two tries to reach Redis again.
+REDIS_RETRY_MAX_S = 2.0
 
 
 class EngineWorker:
@@ -63,78 +70,130 @@ class EngineWorker:
         self._stopping = True
 
     def run(self) -> int:
-        self.queue.ensure_group()
-        self.queue.start_cancels(self.settings.cancel_lookback_s)
-        for message_id, fields, deliveries in self.queue.read_own_pending(self.max_held):
-            self._take(message_id, fields, reclaimed=True, deliveries=deliveries)
-        self._flush()
-        self._heartbeat()
+        while True:
+            try:
+                self.queue.ensure_group()
+                self.queue.start_cancels(self.settings.cancel_lookback_s)
+                for message_id, fields, deliveries in self.queue.read_own_pending(self.max_held):
+                    self._take(message_id, fields, reclaimed=True, deliveries=deliveries)
+                self._flush()
+                self._heartbeat()
+                break
+            except CONNECTION_ERRORS as exc:
+                if not self._wait_for_redis(exc):
+                    return EXIT_OK
         beats_stop = threading.Event()
         beats = threading.Thread(
             target=self._beat_between_steps, args=(beats_stop,), name="heartbeat", daemon=True
         )
         beats.start()
         now = time.monotonic()
-        next_touch = now + self.settings.touch_interval_s
-        next_reclaim = now
-        next_heartbeat = now + self.settings.heartbeat_interval_s
-        drain_deadline: float | None = None
+        self._next_touch = now + self.settings.touch_interval_s
+        self._next_reclaim = now
+        self._next_heartbeat = now + self.settings.heartbeat_interval_s
+        self._drain_deadline: float | None = None
         try:
             while True:
-                self._progress_at = time.monotonic()
-                if self._force_stop:
-                    self._fail_all("engine_shutdown", "the engine replica was stopped", hand_back=True)
-                    return EXIT_OK
-                if self._stopping:
-                    if drain_deadline is None:
-                        drain_deadline = self._begin_drain()
-                    self._hand_back_unstarted()
-                    if not self._held:
+                try:
+                    status = self._iterate()
+                except CONNECTION_ERRORS as exc:
+                    if not self._wait_for_redis(exc):
                         return EXIT_OK
-                    if time.monotonic() >= drain_deadline:
-                        logger.warning(
-                            "drain grace period over with %d requests running; stopping", len(self._held)
-                        )
-                        message = "the engine replica shut down before this request finished"
-                        self._fail_all("engine_shutdown", message, hand_back=True)
-                        return EXIT_OK
-                now = time.monotonic()
-                if not self._stopping and now >= next_reclaim:
-                    self._reclaim()
-                    next_reclaim = now + self.settings.reclaim_interval_s
-                if not self._stopping:
-                    self._read_requests(block=not self.engine.has_unfinished_requests())
-                # After the reads: a request cancelled while this replica blocked on the stream is
-                # aborted before its first step.
-                self._apply_cancels()
-                if self.engine.has_unfinished_requests():
-                    try:
-                        outputs = self.engine.step()
-                    except Exception:
-                        logger.exception("engine step failed; failing the requests in flight")
-                        message = "the engine failed while running this request"
-                        self._fail_all("engine_error", message, hand_back=False)
-                        return EXIT_ENGINE_FAILED
-                    self._collect(outputs)
-                elif self._stopping:
-                    # Draining with an idle engine: the read above did not block, so wait briefly
-                    # instead of spinning on the cancel stream.
-                    time.sleep(0.01)
-                self._flush()
-                now = time.monotonic()
-                if now >= next_touch:
-                    self._touch()
-                    # Answered requests leave the stream once their output stream would have.
-                    self.queue.trim_answered(self.settings.output_ttl_s)
-                    next_touch = now + self.settings.touch_interval_s
-                if now >= next_heartbeat:
-                    self._heartbeat()
-                    next_heartbeat = now + self.settings.heartbeat_interval_s
+                    # Its requests idled in Redis while it was away: touch them at once, and leave
+                    # the others' to them for a claim timeout before reclaiming any.
+                    now = time.monotonic()
+                    self._next_touch = now
+                    self._next_reclaim = now + self.settings.claim_timeout_ms / 1000
+                    continue
+                if status is not None:
+                    return status
         finally:
             beats_stop.set()
             beats.join()
-            self._flush()
+            try:
+                self._flush()
+            except CONNECTION_ERRORS:
+                logger.warning("stopping with %d events Redis did not take", self.queue.num_unsent)
             self._shutdown_redis()
+
+    def _iterate(self) -> int | None:
+        """One turn of the loop; the exit status when the replica is done."""
+        self._progress_at = time.monotonic()
+        if self._force_stop:
+            self._fail_all("engine_shutdown", "the engine replica was stopped", hand_back=True)
+            return EXIT_OK
+        if self._stopping:
+            if self._drain_deadline is None:
+                self._drain_deadline = self._begin_drain()
+            self._hand_back_unstarted()
+            if not self._held:
+                return EXIT_OK
+            if time.monotonic() >= self._drain_deadline:
+                logger.warning("drain grace period over with %d requests running; stopping", len(self._held))
+                message = "the engine replica shut down before this request finished"
+                self._fail_all("engine_shutdown", message, hand_back=True)
+                return EXIT_OK
+        now = time.monotonic()
+        if not self._stopping and now >= self._next_reclaim:
+            self._reclaim()
+            self._next_reclaim = now + self.settings.reclaim_interval_s
+        if not self._stopping:
+            self._read_requests(block=not self.engine.has_unfinished_requests())
+        # After the reads: a request cancelled while this replica blocked on the stream is
+        # aborted before its first step.
+        self._apply_cancels()
+        if self.engine.has_unfinished_requests():
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                logger.exception("engine step failed; failing the requests in flight")
+                message = "the engine failed while running this request"
+                self._fail_all("engine_error", message, hand_back=False)
+                return EXIT_ENGINE_FAILED
+            self._collect(outputs)
+        elif self._stopping:
+            # Draining with an idle engine: the read above did not block, so wait briefly
+            # instead of spinning on the cancel stream.
+            time.sleep(0.01)
+        self._flush()
+        now = time.monotonic()
+        if now >= self._next_touch:
+            self._touch()
+            # Answered requests leave the stream once their output stream would have.
+            self.queue.trim_answered(self.settings.output_ttl_s)
+            self._next_touch = now + self.settings.touch_interval_s
+        if now >= self._next_heartbeat:
+            self._heartbeat()
+            self._next_heartbeat = now + self.settings.heartbeat_interval_s
+        return None
+
+    def _wait_for_redis(self, exc: Exception) -> bool:
+        """Wait, with backoff, until Redis answers again; False when the replica is to stop instead
+        (a second stop request, or a drain whose grace period ran out while waiting)."""
+        lost_at = time.monotonic()
+        logger.warning(
+            "lost the connection to Redis (%s: %s); holding %d requests and retrying",
+            exc.__class__.__name__,
+            exc,
+            len(self._held),
+        )
+        delay = 0.05
+        while not self._force_stop:
+            if self._stopping and time.monotonic() - lost_at > self.settings.drain_grace_s:
+                logger.warning("stopping without Redis: %d requests were not answered", len(self._held))
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, REDIS_RETRY_MAX_S)
+            self._progress_at = time.monotonic()
+            try:
+                self.queue.client.ping()
+                # A Redis that lost its data (no persistence) lost the consumer group too.
+                self.queue.ensure_group()
+            except CONNECTION_ERRORS:
+                continue
+            logger.warning("Redis answers again after %.1f s; resuming", time.monotonic() - lost_at)
+            return True
+        return False
 
     # --- taking requests ------------------------------------------------------------------------
 
@@ -164,9 +223,12 @@ class EngineWorker:
                 self._events.append((request_id, Event.error(str(exc), "invalid_request")))
             self._acks.append(message_id)
             return
-        if request.request_id in self._held:
-            # A second delivery of a request already running here (its entry was re-added).
-            self._acks.append(message_id)
+        held = self._held.get(request.request_id)
+        if held is not None:
+            # A second delivery of a request already running here (its entry was re-added), or the
+            # same entry read again after a read whose answer was lost with the connection.
+            if held.message_id != message_id:
+                self._acks.append(message_id)
             return
         if reclaimed and self._settled_elsewhere(request, message_id, deliveries):
             return
@@ -382,14 +444,18 @@ class EngineWorker:
                 continue
             try:
                 self.queue.heartbeat(dataclasses.replace(stats, heartbeat_at=time.time()))
-            except Exception:  # Redis unreachable: the loop's own calls report it
+            except CONNECTION_ERRORS:  # Redis unreachable: the loop's own calls report it, once
+                pass
+            except Exception:
                 logger.warning("heartbeat failed", exc_info=True)
 
     def _shutdown_redis(self) -> None:
         try:
             self.queue.remove_heartbeat()
             self.queue.leave_group()
-        except Exception:  # Redis is gone too; the heartbeat TTL expires on its own
+        except CONNECTION_ERRORS:  # Redis is gone too; the heartbeat TTL expires on its own
+            logger.warning("could not remove the heartbeat: Redis is unreachable")
+        except Exception:
             logger.exception("could not remove the heartbeat")
 
 

@@ -21,15 +21,22 @@ from engine.protocol import (
     replica_stats_key,
     replicas_key,
     requests_stream,
+    usage_key,
 )
 
 Entry = tuple[bytes, dict[bytes, bytes]]
+
+# Redis unreachable (down, restarting, a network blip): the worker waits for it, keeping its work.
+CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 # Keep the idle clock at zero for entries this consumer still owns. Checking the owner and claiming
 # in one script matters: a plain XCLAIM would take back an entry another replica had already
 # reclaimed from us (after we stalled past the timeout), and both would then answer it.
 # Output streams whose TTL refresh is tracked before those untouched for a whole TTL are dropped.
 _EXPIRE_TRACKED_MAX = 4096
+# A request's usage record (its last event) outlives its output stream: a settler bills from it
+# when the web process that took the request is gone.
+USAGE_TTL_MIN_S = 3600
 
 _TOUCH_SCRIPT = """
 local owned = {}
@@ -103,6 +110,12 @@ class RequestQueue:
         self._hand_back = client.register_script(_HAND_BACK_SCRIPT)
         self._autoclaim_cursor: bytes | str = "0-0"
         self._cancel_cursor: bytes | str = "0-0"
+        # Output stream entry ids of the requests this replica writes to: [stamp ms, next number].
+        self._entry_ids: dict[str, list[int]] = {}
+        # A batch whose round trip failed (Redis went away), with the entry ids it was given: sent
+        # again, as it was, before anything newer.
+        self._unsent: list[tuple[str, Event, str]] = []
+        self._unsent_acks: list[bytes] = []
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -185,23 +198,44 @@ class RequestQueue:
 
     # --- outputs --------------------------------------------------------------------------------
 
+    def _entry_id(self, request_id: str, event: Event) -> str:
+        stamp = self._entry_ids.get(request_id)
+        if stamp is None:
+            stamp = self._entry_ids[request_id] = [int(time.time() * 1000), 0]
+        entry_id = f"{stamp[0]}-{stamp[1]}"
+        stamp[1] += 1
+        if event.type != "delta":
+            del self._entry_ids[request_id]
+        return entry_id
+
     def publish(self, events: list[tuple[str, Event]], acks: list[bytes]) -> None:
-        """All of one step's events and acks in one round trip; acks go last so nothing is acked unsent."""
-        if not events and not acks:
+        """All of one step's events and acks in one round trip; acks go last so nothing is acked unsent.
+
+        Each event gets its entry id here, once. When the round trip fails (a ConnectionError
+        raised to the caller), the batch is kept and sent again first by the next call: entries
+        Redis had already taken are refused as duplicates, so nothing is written twice."""
+        batch = self._unsent + [(rid, event, self._entry_id(rid, event)) for rid, event in events]
+        acks = self._unsent_acks + acks
+        if not batch and not acks:
             return
+        self._unsent, self._unsent_acks = batch, acks
         pipe = self.client.pipeline(transaction=False)
         now = time.monotonic()
         refresh_after = now - max(1.0, self.output_ttl_s / 4)
         expire: set[str] = set()
-        for request_id, event in events:
+        xadds: list[int] = []
+        for request_id, event, entry_id in batch:
             key = output_stream(self.prefix, request_id)
-            pipe.xadd(key, event.encode())
+            data = event.encode()
+            xadds.append(len(pipe))
+            pipe.xadd(key, data, id=entry_id)
             # The TTL is set on a stream's first entry and refreshed while it runs (a request
             # longer than the TTL keeps its stream), not on every token; and on its last entry, so
             # that a finished stream stays replayable for the whole TTL after its end.
             if event.type != "delta":
                 self._expire_set_at.pop(key, None)
                 expire.add(key)
+                pipe.set(usage_key(self.prefix, request_id), data["data"], ex=self.usage_ttl_s)
             elif self._expire_set_at.get(key, -math.inf) < refresh_after:
                 self._expire_set_at[key] = now
                 expire.add(key)
@@ -210,9 +244,32 @@ class RequestQueue:
         if len(self._expire_set_at) > _EXPIRE_TRACKED_MAX:  # streams that ended without a last entry
             stale = now - self.output_ttl_s
             self._expire_set_at = {k: t for k, t in self._expire_set_at.items() if t >= stale}
+            live = {rid for rid, _, _ in batch}
+            self._entry_ids = {
+                rid: stamp
+                for rid, stamp in self._entry_ids.items()
+                if rid in live or stamp[0] / 1000 >= time.time() - self.output_ttl_s
+            }
         if acks:
             pipe.xack(self.stream, CONSUMER_GROUP, *acks)
-        pipe.execute()
+        results = pipe.execute(raise_on_error=False)
+        self._unsent, self._unsent_acks = [], []
+        for index in xadds:
+            # "equal or smaller than the target stream top item": sent before the connection was lost.
+            result = results[index]
+            if isinstance(result, redis.ResponseError) and "equal or smaller" not in str(result):
+                raise result
+        for result in results:
+            if isinstance(result, redis.ConnectionError | redis.TimeoutError):
+                raise result
+
+    @property
+    def num_unsent(self) -> int:
+        return len(self._unsent)
+
+    @property
+    def usage_ttl_s(self) -> int:
+        return max(self.output_ttl_s, USAGE_TTL_MIN_S)
 
     def trim_answered(self, retention_s: float) -> None:
         """Drop the stream's entries of answered requests older than `retention_s` (their prompts'

@@ -6,12 +6,14 @@ from collections.abc import Iterable
 
 from django.conf import settings
 
+from core.errors import ServiceUnavailableError
 from core.redis_client import get_async_redis
 from engine.protocol import (
     Event,
     GenerateRequest,
     cancel_message,
     cancel_stream,
+    entry_gap,
     requests_stream,
 )
 from inference.gateway.reader import get_stream_reader
@@ -43,10 +45,24 @@ class EngineGateway:
         """Events after `positions` (request id -> last stream entry id read), advancing them.
 
         Blocks up to `block_ms` when nothing is there yet; returns [] on timeout. The streams are
-        read by the event loop's shared reader (inference.gateway.reader) until `forget`.
+        read by the event loop's shared reader (inference.gateway.reader) until `forget`. Raises
+        ServiceUnavailableError (stream_interrupted) when entries are missing between two that
+        were read: Redis lost its last writes in a restart.
         """
+        before = dict(positions)
         entries = await get_stream_reader(self.prefix).read(positions, block_ms=block_ms)
-        return [(request_id, Event.decode(fields)) for request_id, (_, fields) in entries]
+        events = []
+        for request_id, (entry_id, fields) in entries:
+            last = before.get(request_id)
+            if entry_gap(None if last in (None, "0-0") else last, entry_id):
+                raise ServiceUnavailableError(
+                    "Part of this response was lost when the engines' queue restarted; the request "
+                    "was stopped and is billed for what was sent.",
+                    code="stream_interrupted",
+                )
+            before[request_id] = entry_id
+            events.append((request_id, Event.decode(fields)))
+        return events
 
     async def forget(self, request_ids: Iterable[str]) -> None:
         """The requests ended: their streams are read no more."""

@@ -7,21 +7,26 @@ requests wait on, buffers what comes back per stream, and wakes the requests tha
 an engine step that writes to every stream costs the process one or two reads.
 
 The blocked XREAD also waits on a wake stream of the reader's own: a request that registers a new
-stream appends to it, so the read returns and is sent again with the new stream. A read error is
-handed to every request waiting at that moment, and the registrations are dropped: each request's
-next read registers again from its own position, so nothing is skipped or read twice.
+stream appends to it, so the read returns and is sent again with the new stream. While Redis is
+unreachable the reader keeps every registration and position and tries again with backoff (the
+requests see reads that time out, and decide how long they wait); any other read error is handed
+to every request waiting at that moment, and the registrations are dropped: each request's next
+read registers again from its own position, so nothing is skipped or read twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
 
-from core.redis_client import get_async_redis
+from core.redis_client import REDIS_CONNECTION_ERRORS, get_async_redis
 from engine.protocol import output_stream
+
+logger = logging.getLogger(__name__)
 
 # Entries per stream per read, as a request's own XREAD took them.
 COUNT = 256
@@ -32,6 +37,8 @@ BLOCK_MS = 10_000
 ABANDONED_S = 600.0
 WAKE_MAXLEN = 16
 WAKE_TTL_S = 3600
+# Longest wait between two reads while Redis is unreachable.
+RETRY_MAX_S = 1.0
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 
@@ -113,19 +120,34 @@ class StreamReader:
             self._task = asyncio.ensure_future(self._run())
 
     async def _wake(self) -> None:
-        async with get_async_redis().pipeline(transaction=False) as pipe:
-            pipe.xadd(self._wake_key, {b"wake": b"1"}, maxlen=WAKE_MAXLEN, approximate=True)
-            pipe.expire(self._wake_key, WAKE_TTL_S)
-            await pipe.execute()
+        try:
+            async with get_async_redis().pipeline(transaction=False) as pipe:
+                pipe.xadd(self._wake_key, {b"wake": b"1"}, maxlen=WAKE_MAXLEN, approximate=True)
+                pipe.expire(self._wake_key, WAKE_TTL_S)
+                await pipe.execute()
+        except REDIS_CONNECTION_ERRORS:
+            pass  # the blocked read fails too, and its retry reads every registered stream
 
     async def _run(self) -> None:
         redis = get_async_redis()
         restart = True
+        delay, lost_at = 0.05, None
         try:
             while self._streams:
                 keys = {self._wake_key: self._wake_position}
                 keys.update((key, stream.position) for key, stream in self._streams.items())
-                reply = await redis.xread(keys, count=COUNT, block=BLOCK_MS)
+                try:
+                    reply = await redis.xread(keys, count=COUNT, block=BLOCK_MS)
+                except REDIS_CONNECTION_ERRORS as exc:
+                    if lost_at is None:
+                        lost_at = time.monotonic()
+                        logger.warning("Redis is unreachable (%s); %d streams wait", exc, len(self._streams))
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, RETRY_MAX_S)
+                    continue
+                if lost_at is not None:
+                    logger.warning("Redis answers again after %.1f s", time.monotonic() - lost_at)
+                    delay, lost_at = 0.05, None
                 for key, entries in reply or []:
                     if not entries:
                         continue

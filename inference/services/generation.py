@@ -8,7 +8,14 @@ tokens (raising before anything is queued), queues one engine request per prompt
 once queued, then the choices' deltas and finishes as they arrive. Whatever ends it (finished,
 client gone, engine failure) its `finally` signals an abort for unfinished engine requests,
 settles the reservation to the tokens actually produced and writes the one ledger row, shielded
-from a second cancellation.
+from a second cancellation. While Redis is unreachable that bookkeeping waits for it; while
+PostgreSQL is, the settlement waits in Redis for its ledger row (tenants.services.settlements). If
+this process dies first, a settler bills the request from the engines' records
+(inference.services.settler): the reservation names this process as its owner.
+
+A stream rides out a short Redis outage: the shared reader reads on from where it was once Redis is
+back, and the stream fails (cleanly, billed for what was sent) only after REDIS_OUTAGE_GRACE_S, or
+when entries the engine wrote were lost with Redis's last writes.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from typing import Any
 
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError, RateLimitError, ServiceUnavailableError
-from engine.protocol import Event, GenerateRequest
+from core.redis_client import REDIS_CONNECTION_ERRORS
+from engine.protocol import Event, GenerateRequest, usage_key
 from inference import metrics
 from inference.gateway import (
     EngineGateway,
@@ -32,8 +40,9 @@ from inference.gateway import (
 )
 from inference.gateway.queue_bounds import queue_place_release, queue_place_take
 from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
-from tenants.services import admission_reserve, admission_settle, request_admit, usage_record_create
-from tenants.types import AuthContext, Reservation
+from inference.services.settler import OWNER_ID, owner_ensure_beating
+from tenants.services import admission_reserve, request_admit, settlement_close
+from tenants.types import AuthContext, LedgerEntry, Reservation, Settlement
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,10 @@ POLL_MS = 500
 # Releases of reservations whose request was cancelled during admission, held until they are done.
 _UNQUEUED_RELEASES: set[asyncio.Future] = set()
 _CLIENT_ERROR_CODES = {"invalid_request", "request_too_large", "context_length_exceeded"}
+# How long a running stream waits for an unreachable Redis before it fails.
+REDIS_OUTAGE_GRACE_S = 30.0
+# Longest wait between two tries of the end-of-request bookkeeping while Redis is unreachable.
+FINISH_RETRY_MAX_S = 5.0
 
 
 @dataclass(slots=True)
@@ -116,9 +129,21 @@ class Generation:
     _last_token_at: float | None = None
     _gaps: list[float] = field(default_factory=list)
     _queued: set[str] = field(default_factory=set)  # engine requests holding a place in the queue bounds
+    _redis_lost_at: float | None = None  # monotonic: when this stream last found Redis unreachable
 
     def __post_init__(self) -> None:
         self.usage = GenerationUsage(prompt_tokens=self.plan.prompt_tokens)
+
+    @property
+    def ledger_entry(self) -> LedgerEntry:
+        plan = self.plan
+        return LedgerEntry(
+            model=plan.model,
+            adapter=plan.adapter,
+            end_user=plan.end_user,
+            prompt_cache_key=plan.prompt_cache_key,
+            service_tier=plan.service_tier,
+        )
 
     @property
     def ratelimit_headers(self) -> dict[str, str]:
@@ -131,6 +156,7 @@ class Generation:
         if not await ready_replica_ids_async(plan.model):
             raise engine_unavailable(plan.model)
         await self._take_queue_places()
+        owner_ensure_beating()
         reserving = asyncio.ensure_future(
             blocking(admission_reserve)(
                 auth=self.auth,
@@ -139,6 +165,15 @@ class Generation:
                 max_tokens=plan.max_completion_tokens,
                 request_id=plan.request_id,
                 request_counted=self.request_counted,
+                ledger=self.ledger_entry,
+                owner=OWNER_ID,
+                extra={
+                    "engine_requests": {
+                        rid: len(prompt)
+                        for rid, prompt in zip(plan.engine_request_ids, plan.prompts, strict=True)
+                    },
+                    "bill_completion": not plan.discard_output,
+                },
             )
         )
         try:
@@ -314,7 +349,19 @@ class Generation:
         has started yet keeps waiting while any replica lives: a dead replica's queue is reclaimed
         by a live one."""
         model = self.plan.model
-        live = await live_replica_set_async(model)
+        try:
+            live = await live_replica_set_async(model)
+        except REDIS_CONNECTION_ERRORS as exc:
+            now = time.monotonic()
+            if self._redis_lost_at is None:
+                self._redis_lost_at = now
+            if now - self._redis_lost_at > REDIS_OUTAGE_GRACE_S:
+                raise ServiceUnavailableError(
+                    "The connection to the engines' queue was lost for too long.",
+                    code="service_unavailable",
+                ) from exc
+            return
+        self._redis_lost_at = None
         for rid in self._pending:
             replica = self._replicas.get(rid)
             if replica is not None:
@@ -334,11 +381,6 @@ class Generation:
             logger.exception("could not stop reading the streams of %s", plan.request_id)
         if self.error_code == "queue_timeout":
             self.usage.prompt_tokens = 0  # dropped before anything was computed
-        try:
-            if self._pending:
-                await self.gateway.cancel(model=plan.model, request_ids=sorted(self._pending))
-        except Exception:
-            logger.exception("could not signal the abort of %s", plan.request_id)
         engine_completion = sum(u.get("completion_tokens", 0) for u in self._engine_usage.values())
         # Finished: the engine's count. Cancelled or failed: what was produced and delivered.
         self.usage.completion_tokens = engine_completion if self.status == "success" else self._produced
@@ -347,10 +389,17 @@ class Generation:
         self.usage.cached_tokens = sum(u.get("cached_tokens", 0) for u in self._engine_usage.values())
         latency = time.perf_counter() - self.started_at
         ttft = None if self._first_token_at is None else self._first_token_at - self.started_at
-        try:
-            await blocking(self._settle_and_record)(ttft, latency)
-        except Exception:
-            logger.exception("could not settle %s", plan.request_id)
+        await self._settle(
+            Settlement(
+                prompt_tokens=self.usage.prompt_tokens,
+                completion_tokens=self.usage.completion_tokens,
+                cached_tokens=self.usage.cached_tokens,
+                status=self.status,
+                time_to_first_token_ms=None if ttft is None else ttft * 1000.0,
+                latency_ms=latency * 1000.0,
+                finished_at=time.time(),
+            )
+        )
         metrics.record_finished(
             tenant=self.auth.tenant_slug,
             model=plan.model,
@@ -365,31 +414,39 @@ class Generation:
             error_code=self.error_code,
         )
 
-    def _settle_and_record(self, ttft: float | None, latency: float) -> None:
+    async def _settle(self, settlement: Settlement) -> None:
+        """Abort the engine requests still running, settle the reservation and write the ledger
+        row. While Redis is unreachable this waits for it, retrying with backoff: the owner of a
+        request settles it as long as it lives (a settler takes over only when it is gone)."""
+        plan = self.plan
         assert self.reservation is not None
-        try:
-            admission_settle(
-                reservation=self.reservation,
-                prompt_tokens=self.usage.prompt_tokens,
-                completion_tokens=self.usage.completion_tokens,
-            )
-        finally:
-            usage_record_create(
-                tenant_id=self.auth.tenant_id,
-                api_key_id=self.auth.api_key_id,
-                model=self.plan.model,
-                adapter=self.plan.adapter,
-                prompt_tokens=self.usage.prompt_tokens,
-                completion_tokens=self.usage.completion_tokens,
-                cached_tokens=self.usage.cached_tokens,
-                time_to_first_token_ms=None if ttft is None else ttft * 1000.0,
-                latency_ms=latency * 1000.0,
-                status=self.status,
-                request_id=self.plan.request_id,
-                end_user=self.plan.end_user,
-                prompt_cache_key=self.plan.prompt_cache_key,
-                service_tier=self.plan.service_tier,
-            )
+        unfinished = sorted(self._pending)
+        delay, lost_at = 0.1, None
+        while True:
+            try:
+                if unfinished:
+                    await self.gateway.cancel(model=plan.model, request_ids=unfinished)
+                    unfinished = []
+                await blocking(settlement_close)(
+                    reservation=self.reservation,
+                    ledger=self.ledger_entry,
+                    settlement=settlement,
+                    release_keys=[usage_key(self.gateway.prefix, rid) for rid in plan.engine_request_ids],
+                )
+            except REDIS_CONNECTION_ERRORS as exc:
+                if lost_at is None:
+                    lost_at = time.monotonic()
+                    logger.warning(
+                        "Redis is unreachable (%s); %s is settled once it is back", exc, plan.request_id
+                    )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, FINISH_RETRY_MAX_S)
+                continue
+            except Exception:
+                logger.exception("could not settle %s", plan.request_id)
+            if lost_at is not None:
+                logger.info("settled %s after %.1f s", plan.request_id, time.monotonic() - lost_at)
+            return
 
 
 _PLANNERS = {"chat": chat_plan_create, "completion": completion_plan_create}

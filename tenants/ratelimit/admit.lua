@@ -10,11 +10,14 @@
 -- KEYS: 1 key req log, 2 tenant req log,
 --       3 key tok log, 4 key tok amounts, 5 key tok sum,
 --       6 tenant tok log, 7 tenant tok amounts, 8 tenant tok sum,
---       9 tenant in-flight set, 10 quota counter, 11 reservation hash
+--       9 tenant in-flight set, 10 quota counter, 11 reservation hash, 12 open settlements index
 -- ARGV: 1 window s, 2 member, 3 request cost, 4 token cost,
 --       5 key rpm, 6 tenant rpm, 7 key tpm, 8 tenant tpm (-1: unlimited),
 --       9 max concurrent (-1: unlimited, no slot taken), 10 monthly quota (-1: unlimited),
---       11 quota ttl s, 12 lease s, 13 reservation ttl s (0: record none)
+--       11 quota ttl s, 12 lease s, 13 reservation ttl s (0: record none),
+--       14 what the settlement needs besides the counts (JSON), 15 its member in the index
+-- A reservation is also the request's open settlement: the index lists it (scored by admission
+-- time) until its ledger row is written, so a settler finds those whose owner went away.
 -- Returns {status, req_limit, req_remaining, req_reset_ms, tok_limit, tok_remaining, tok_reset_ms,
 --          retry_ms, scope}; status 1 ok, 0 rate limited, 2 too many concurrent, 3 quota,
 --          4 quota counter missing (seed and retry), 5 duplicate request id, 6 request too large.
@@ -171,7 +174,8 @@ if quota >= 0 and tok_cost > 0 then
   quota_charged = 1
 end
 if reservation_ttl > 0 then
-  redis.call('HSET', KEYS[11], 'tokens', tok_cost, 'quota', quota_charged)
+  redis.call('HSET', KEYS[11], 'tokens', tok_cost, 'quota', quota_charged, 'meta', ARGV[14])
   redis.call('EXPIRE', KEYS[11], reservation_ttl)
+  redis.call('ZADD', KEYS[12], now, ARGV[15])
 end
 return {1, req[1], req[2], req[3], tok[1], tok[2], tok[3], 0, ''}

@@ -62,6 +62,7 @@ class Keys:
             self.in_flight(),
             self.quota(period),
             self.reservation(request_id),
+            open_settlements_key(),
         ]
 
     def settle(self, *, period: str, request_id: str) -> list[str]:
@@ -85,6 +86,15 @@ class Keys:
 
     def reservation(self, request_id: str) -> str:
         return rkey("resv", self.tenant_id, request_id)
+
+    def open_member(self, request_id: str) -> str:
+        return f"{self.tenant_id}:{request_id}"
+
+
+def open_settlements_key() -> str:
+    """A sorted set of the reservations whose ledger row is not written yet ("tenant_id:request_id"),
+    scored by admission time."""
+    return rkey("settle", "open")
 
 
 def format_duration(milliseconds: int) -> str:
@@ -127,10 +137,13 @@ def admit(
     charge_quota: bool,
     reserve: bool,
     count_request: bool = True,
+    meta: str = "",
 ) -> dict[str, str]:
     """Count one request (and `tokens`) against every limit, or raise without counting anything.
     count_request=False: the request was counted already (request_admit); only tokens, slot and
     quota are checked and taken here.
+
+    `meta` (JSON) is kept with the reservation for whoever settles it (see settle.lua).
 
     Returns the x-ratelimit-* headers. Raises QuotaCounterMissing when the month's counter must be
     seeded first.
@@ -151,6 +164,8 @@ def admit(
         40 * 24 * 3600,  # a month's counter outlives the month, then goes
         _setting("TENANT_CONCURRENCY_LEASE_SECONDS", 900),
         _setting("TENANT_RESERVATION_TTL_SECONDS", 24 * 3600) if reserve else 0,
+        meta,
+        keys.open_member(request_id),
     ]
     reply = _script("admit.lua")(keys=keys.admit(period=period, request_id=request_id), args=args)
     status = int(reply[0])
@@ -178,12 +193,28 @@ def admit(
     raise RateLimitError(message, headers=headers)
 
 
-def settle(*, tenant_id: int, api_key_id: int, request_id: str, period: str, actual_tokens: int) -> bool:
+SETTLED_NOW, SETTLED_BEFORE, NOT_RESERVED = 1, 2, 0
+
+
+def settle(
+    *,
+    tenant_id: int,
+    api_key_id: int,
+    request_id: str,
+    period: str,
+    actual_tokens: int,
+    final: str,
+    release_keys: list[str] = (),
+) -> tuple[int, bytes | None]:
+    """Correct the counters to `actual_tokens` and store `final` (JSON), once. Returns SETTLED_NOW,
+    SETTLED_BEFORE with the settlement stored then, or NOT_RESERVED. `release_keys` are deleted
+    with it."""
     keys = Keys(tenant_id=tenant_id, api_key_id=api_key_id)
-    result = _script("settle.lua")(
-        keys=keys.settle(period=period, request_id=request_id), args=[request_id, actual_tokens]
+    reply = _script("settle.lua")(
+        keys=[*keys.settle(period=period, request_id=request_id), *release_keys],
+        args=[request_id, actual_tokens, final],
     )
-    return bool(int(result))
+    return int(reply[0]), (reply[1] if len(reply) > 1 else None)
 
 
 def quota_counter_seed(*, tenant_id: int, period: str, used: int) -> None:

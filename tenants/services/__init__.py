@@ -19,6 +19,12 @@ from tenants.services.api_keys import (
     auth_cache_invalidate,
     bearer_token,
 )
+from tenants.services.settlements import (
+    settlement_close,
+    settlement_list_open,
+    settlement_mark_abandoned,
+    settlement_record,
+)
 from tenants.services.tenants import (
     api_key_create_for_member,
     api_key_revoke_for_member,
@@ -49,6 +55,10 @@ __all__ = [
     "model_access_check",
     "quota_period",
     "request_admit",
+    "settlement_close",
+    "settlement_list_open",
+    "settlement_mark_abandoned",
+    "settlement_record",
     "tenant_allowed_models",
     "tenant_create",
     "tenant_limits_update",

@@ -1,19 +1,24 @@
 """Admission for the serving path: model access, rate limits, concurrency and quota.
 
 Reserve before a request is queued (prompt tokens + max_tokens), settle to the actual count when it
-ends. Both are single atomic Redis scripts; settle happens at most once per request.
+ends. Both are single atomic Redis scripts; settle happens at most once per request. The reservation
+also keeps what its ledger row will say (tenants.services.settlements writes the row), so whoever
+settles it, the process that admitted it or a settler after that process died, bills the same.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import asdict
+from typing import Any
 
+import orjson
 from django.utils import timezone
 
 from core.errors import InvalidRequestError, model_not_found
 from tenants.ratelimit import limiter
 from tenants.selectors import quota_used_this_month
-from tenants.types import AuthContext, Reservation
+from tenants.types import AuthContext, LedgerEntry, Reservation, Settlement
 
 
 def quota_period(*, now=None) -> str:
@@ -69,12 +74,26 @@ def admission_reserve(
     max_tokens: int,
     request_id: str,
     request_counted: bool = False,
+    ledger: LedgerEntry | None = None,
+    owner: str = "",
+    extra: dict[str, Any] | None = None,
 ) -> Reservation:
     """Reserve a generation's tokens, a concurrency slot and its quota, counting the request too
-    unless `request_counted` (request_admit counted it before the prompt was tokenized)."""
+    unless `request_counted` (request_admit counted it before the prompt was tokenized).
+
+    The reservation keeps `ledger` (the row's fields; by default just the model), the `owner` (the
+    process that will settle it while it lives) and the caller's `extra` (JSON), which a settler
+    reads back (settlement_list_open)."""
     model_access_check(auth=auth, model=model)
     tokens = _count("prompt_tokens", prompt_tokens) + _count("max_tokens", max_tokens)
     period = quota_period()
+    meta = {
+        "api_key_id": auth.api_key_id,
+        "period": period,
+        "ledger": asdict(ledger or LedgerEntry(model=model)),
+        "owner": owner,
+        "extra": extra or {},
+    }
     headers = _admit_seeding_quota(
         auth=auth,
         period=period,
@@ -84,6 +103,7 @@ def admission_reserve(
         charge_quota=True,
         reserve=True,
         count_request=not request_counted,
+        meta=orjson.dumps(meta).decode(),
     )
     return Reservation(
         request_id=request_id,
@@ -95,12 +115,32 @@ def admission_reserve(
     )
 
 
-def admission_settle(*, reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> None:
-    """Charge the actual tokens instead of the reserved ones and free the slot. Idempotent."""
-    limiter.settle(
+def settlement_encode(settlement: Settlement) -> str:
+    return orjson.dumps(asdict(settlement)).decode()
+
+
+def settlement_decode(raw: bytes | str) -> Settlement:
+    return Settlement(**orjson.loads(raw))
+
+
+def admission_settle(
+    *, reservation: Reservation, settlement: Settlement, release_keys: list[str] = ()
+) -> Settlement:
+    """Charge the actual tokens instead of the reserved ones, free the slot and keep the settlement
+    with the reservation until its ledger row is written (settlement_record). Once per request:
+    returns the settlement that counts, this one or the one a first call stored. `release_keys`
+    (Redis keys that only served to settle it) are deleted with it."""
+    _count("prompt_tokens", settlement.prompt_tokens)
+    _count("completion_tokens", settlement.completion_tokens)
+    status, stored = limiter.settle(
         tenant_id=reservation.tenant_id,
         api_key_id=reservation.api_key_id,
         request_id=reservation.request_id,
         period=reservation.quota_period or quota_period(),
-        actual_tokens=_count("prompt_tokens", prompt_tokens) + _count("completion_tokens", completion_tokens),
+        actual_tokens=settlement.total_tokens,
+        final=settlement_encode(settlement),
+        release_keys=list(release_keys),
     )
+    if status == limiter.SETTLED_BEFORE and stored is not None:
+        return settlement_decode(stored)
+    return settlement

@@ -35,8 +35,10 @@ def usage_record_create(
     end_user: str = "",
     prompt_cache_key: str = "",
     service_tier: str = "default",
+    created_at: datetime | None = None,
 ) -> UsageRecord:
-    """Write the request's ledger row. Calling again for the same request id returns that row."""
+    """Write the request's ledger row. Calling again for the same request id returns that row.
+    `created_at`: when the request ended, where the row is written later than that."""
     if status not in UsageRecord.Status.values:
         raise ValueError(f"status must be one of {UsageRecord.Status.values}, got {status!r}")
     record = UsageRecord(
@@ -55,6 +57,8 @@ def usage_record_create(
         prompt_cache_key=prompt_cache_key or "",
         service_tier=service_tier or "default",
     )
+    if created_at is not None:
+        record.created_at = created_at
     try:
         # A savepoint, so a duplicate does not poison a caller's surrounding transaction.
         with transaction.atomic():

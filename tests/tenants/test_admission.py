@@ -21,6 +21,7 @@ from tenants.services import (
     tenant_create,
     tenant_limits_update,
 )
+from tenants.types import Settlement
 from tests.helpers import MODEL
 
 
@@ -62,9 +63,13 @@ def test_reserve_and_settle_are_exact_under_concurrent_requests(world):
                 auth=auth, model=MODEL, prompt_tokens=10, max_tokens=90, request_id=f"r{i}-{j}"
             )
             completion = (i * 7 + j) % 90
-            admission_settle(reservation=reservation, prompt_tokens=10, completion_tokens=completion)
+            admission_settle(
+                reservation=reservation, settlement=Settlement(prompt_tokens=10, completion_tokens=completion)
+            )
             # A retried settle must not count twice.
-            admission_settle(reservation=reservation, prompt_tokens=10, completion_tokens=completion)
+            admission_settle(
+                reservation=reservation, settlement=Settlement(prompt_tokens=10, completion_tokens=completion)
+            )
             charged += 10 + completion
         return charged
 
@@ -100,8 +105,8 @@ def test_settle_is_idempotent_and_releases_the_slot(world):
     )
     assert reservation.reserved_tokens == 100
     assert (reservation.tenant_id, reservation.api_key_id) == (world.tenant_a.pk, world.key_a.pk)
-    admission_settle(reservation=reservation, prompt_tokens=20, completion_tokens=5)
-    admission_settle(reservation=reservation, prompt_tokens=20, completion_tokens=80)
+    admission_settle(reservation=reservation, settlement=Settlement(prompt_tokens=20, completion_tokens=5))
+    admission_settle(reservation=reservation, settlement=Settlement(prompt_tokens=20, completion_tokens=80))
     assert limiter.quota_counter_value(tenant_id=world.tenant_a.pk, period=_period()) == 25
     assert limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 0
 

@@ -19,6 +19,7 @@ from tenants.services import (
     tenant_limits_update,
     usage_record_create,
 )
+from tenants.types import Settlement
 from tests.helpers import MODEL, bearer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -111,7 +112,7 @@ def test_tokens_per_minute_limit_counts_reserved_tokens_and_settles_to_actual(wo
     assert caught.value.headers["x-ratelimit-remaining-tokens"] == "400"
     assert caught.value.headers["x-ratelimit-limit-tokens"] == "1000"
     assert "tenant tokens per minute" in caught.value.message
-    admission_settle(reservation=first, prompt_tokens=100, completion_tokens=20)
+    admission_settle(reservation=first, settlement=Settlement(prompt_tokens=100, completion_tokens=20))
     second = _reserve(auth, prompt=100, max_tokens=400)
     assert second.ratelimit_headers["x-ratelimit-remaining-tokens"] == str(1000 - 120 - 500)
 
@@ -169,7 +170,7 @@ def test_exhausted_quota_gives_insufficient_quota_and_should_not_retry(world):
     assert body["error"]["code"] == "insufficient_quota"
     # Refused: nothing counted; a settle below the reservation frees quota again.
     assert limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 1  # the admitted one's slot only
-    admission_settle(reservation=fits, prompt_tokens=40, completion_tokens=10)
+    admission_settle(reservation=fits, settlement=Settlement(prompt_tokens=40, completion_tokens=10))
     period = timezone.now().strftime("%Y-%m")
     assert limiter.quota_counter_value(tenant_id=world.tenant_a.pk, period=period) == 950
     _reserve(auth, prompt=20, max_tokens=30)
@@ -181,7 +182,7 @@ def test_concurrency_limit_per_tenant(world):
     with pytest.raises(RateLimitError, match="concurrent"):
         _reserve(auth)
     assert limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 2
-    admission_settle(reservation=first, prompt_tokens=10, completion_tokens=5)
+    admission_settle(reservation=first, settlement=Settlement(prompt_tokens=10, completion_tokens=5))
     _reserve(auth)
     assert limiter.in_flight_count(tenant_id=world.tenant_a.pk) == 2
 
