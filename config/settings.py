@@ -257,6 +257,11 @@ API_REQUEST_ADMIT = "tenants.services.request_admit"
 # Platform knobs.
 API_KEY_CACHE_SECONDS = envint("PAGODA_API_KEY_CACHE_SECONDS", 30, minimum=0)
 ENGINE_HEARTBEAT_TTL = envfloat("PAGODA_ENGINE_HEARTBEAT_TTL", 5.0)
+# A web process's requests are settled by others once its owner key is this many seconds old (it
+# died), by a settler that sweeps every PAGODA_SETTLER_SWEEP_S (each web process runs one, and
+# Celery beat too).
+OWNER_TTL_S = envfloat("PAGODA_OWNER_TTL_S", 10.0)
+SETTLER_SWEEP_S = envfloat("PAGODA_SETTLER_SWEEP_S", 5.0)
 REQUEST_CLAIM_TIMEOUT_MS = envint("PAGODA_REQUEST_CLAIM_TIMEOUT_MS", 15000, minimum=100)
 OUTPUT_STREAM_TTL = envint("PAGODA_OUTPUT_STREAM_TTL", 600, minimum=10)
 # LoRA adapters: the largest upload accepted (bytes, the archive's unpacked content included),

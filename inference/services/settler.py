@@ -38,11 +38,9 @@ from tenants.types import OpenSettlement, Settlement
 
 logger = logging.getLogger(__name__)
 
-# This process, as the owner of the requests it admits.
+# This process, as the owner of the requests it admits. Its key lives settings.OWNER_TTL_S seconds
+# and is renewed five times in that; a settler sweeps every settings.SETTLER_SWEEP_S seconds.
 OWNER_ID = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-OWNER_TTL_S = 10.0
-OWNER_BEAT_S = 2.0
-SWEEP_EVERY_S = 5.0
 # How long a settler waits, after cancelling an abandoned request, for its engines' usage records
 # before billing what its output streams show. A request still queued is aborted when a replica
 # takes it, within the replicas' cancel lookback (60 s).
@@ -56,7 +54,7 @@ def owner_key(owner: str) -> str:
 
 
 def owner_beat() -> None:
-    get_redis().set(owner_key(OWNER_ID), b"1", px=int(OWNER_TTL_S * 1000))
+    get_redis().set(owner_key(OWNER_ID), b"1", px=int(settings.OWNER_TTL_S * 1000))
 
 
 _beating = threading.Event()
@@ -80,7 +78,7 @@ def _beat_forever() -> None:
             if not failing:
                 logger.warning("cannot keep the owner key alive: %s: %s", exc.__class__.__name__, exc)
             failing = True
-        time.sleep(OWNER_BEAT_S)
+        time.sleep(settings.OWNER_TTL_S / 5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +199,7 @@ def _settle_abandoned(open_: OpenSettlement, now: float) -> str:
     return "settled"
 
 
-def settler_sweep(*, limit: int = 500) -> SweepCounts:
+def settler_sweep(*, limit: int = 500, min_age_s: float = 1.0) -> SweepCounts:
     """One sweep over the open settlements (see the module docstring). Returns what it did;
     nothing when another process is sweeping."""
     client = get_redis()
@@ -213,7 +211,7 @@ def settler_sweep(*, limit: int = 500) -> SweepCounts:
     try:
         now = time.time()
         # Younger ones are in their owner's hands (its key is set before it admits anything).
-        open_settlements = settlement_list_open(admitted_before=now - 1.0, limit=limit)
+        open_settlements = settlement_list_open(admitted_before=now - min_age_s, limit=limit)
         owners = {o.owner for o in open_settlements if o.final is None}
         alive = dict(zip(owners, client.mget([owner_key(o) for o in owners]), strict=True)) if owners else {}
         for open_ in open_settlements:
@@ -243,8 +241,8 @@ _settler_started = threading.Event()
 
 
 def settler_start() -> None:
-    """Run this process's owner key and a sweep every SWEEP_EVERY_S (the first one at once), in
-    daemon threads: what a web process does from its start."""
+    """Run this process's owner key and a sweep every settings.SETTLER_SWEEP_S (the first one at
+    once), in daemon threads: what a web process does from its start."""
     owner_ensure_beating()
     if _settler_started.is_set():
         return
@@ -269,4 +267,4 @@ def _sweep_forever() -> None:
         finally:
             for connection in connections.all(initialized_only=True):
                 connection.close()  # back to the pool: a dead server's connection is not kept
-        time.sleep(SWEEP_EVERY_S)
+        time.sleep(settings.SETTLER_SWEEP_S)
