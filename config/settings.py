@@ -109,8 +109,9 @@ if _database_url:
     if _db_pool_max and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         # ASGI runs each request's database work in a thread of its own: without a pool every open
         # request holds a PostgreSQL connection, and a burst exceeds the server's max_connections.
-        # With one, a burst waits for one of at most PAGODA_DB_POOL_MAX connections per process.
-        DATABASES["default"]["OPTIONS"]["pool"] = {"min_size": 1, "max_size": _db_pool_max, "timeout": 30}
+        # With one, a burst waits for one of at most PAGODA_DB_POOL_MAX connections per process (10 s
+        # at most: past that the database is taken for down, and the API answers 503).
+        DATABASES["default"]["OPTIONS"]["pool"] = {"min_size": 1, "max_size": _db_pool_max, "timeout": 10}
     # A connection is tested as it leaves the pool (or, without one, before a request reuses it),
     # so those a database restart broke are replaced instead of failing the request that drew them.
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
@@ -292,5 +293,10 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "stream": sys.stderr}},
     "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
-    "loggers": {"django.request": {"level": "ERROR"}},
+    "loggers": {
+        "django.request": {"level": "ERROR"},
+        # The pool logs every failed reconnection; the settler and the API say once that the
+        # database is down (and a 503 answers each request meanwhile).
+        "psycopg.pool": {"level": "ERROR"},
+    },
 }

@@ -29,11 +29,26 @@ def live(request):
     return JsonResponse({"status": "ok"})
 
 
+# A probe answers within seconds: a database that takes longer to accept a connection is down.
+DATABASE_PROBE_TIMEOUT_S = 2
+
+
 def _check_database() -> str | None:
     try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-            cursor.fetchone()
+        if connection.vendor == "postgresql":
+            # A connection of its own, not one from the pool: the pool waits for a free connection
+            # (up to its timeout) where a probe must answer at once.
+            import psycopg
+
+            params = connection.get_connection_params()
+            params.pop("cursor_factory", None)
+            params.pop("context", None)
+            with psycopg.connect(**params, connect_timeout=DATABASE_PROBE_TIMEOUT_S) as probe:
+                probe.execute("SELECT 1").fetchone()
+        else:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+                cursor.fetchone()
     except Exception as exc:  # any driver error means not ready
         return f"database: {exc.__class__.__name__}: {exc}"
     return None

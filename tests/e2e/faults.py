@@ -101,3 +101,64 @@ def own_redis_settings(own: OwnRedis) -> Iterator[None]:
             yield
         finally:
             _reset_clients()
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    if not candidates:
+        raise RuntimeError(f"PostgreSQL's {name} is not installed")
+    return str(candidates[-1])
+
+
+class OwnPostgres:
+    """A PostgreSQL cluster made with initdb in a temp directory, on a port of its own. As root it
+    runs as the `postgres` user (initdb and the server refuse root)."""
+
+    def __init__(self, port: int) -> None:
+        import os
+        import tempfile
+
+        self.port = port
+        self.directory = Path(tempfile.mkdtemp(prefix="pagoda-pg-"))
+        self._as = []
+        if os.geteuid() == 0:
+            import pwd
+
+            user = pwd.getpwnam("postgres")
+            os.chown(self.directory, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+        self.data = self.directory / "data"
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+
+    def _run(self, tool: str, *args: str) -> None:
+        subprocess.run([*self._as, _pg_bin(tool), *args], check=True, capture_output=True, timeout=120)
+
+    @property
+    def url(self) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/pagoda"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run(
+            "pg_ctl", "start", "-w", "-D", str(self.data), "-l", str(self.directory / "log"), "-o", options
+        )
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "stop", "-w", "-m", "fast", "-D", str(self.data))
+
+    def create_database(self) -> None:
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "pagoda")
+
+    def query(self, sql: str, *params) -> list[tuple]:
+        import psycopg
+
+        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=pagoda") as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def remove(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
