@@ -9,16 +9,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 scripts/system_packages.sh
-mkdir -p var
 [ -f .env ] && set -a && . ./.env && set +a
+# Everything this run writes (the SQLite database, the embedded redis's files, secrets, logs):
+# PAGODA_VAR_DIR, default var/ in the checkout.
+export PAGODA_VAR_DIR=${PAGODA_VAR_DIR:-$PWD/var}
+VAR=$PAGODA_VAR_DIR
+mkdir -p "$VAR"
 
 if [ -z "${SECRET_KEY:-}" ] && [ -z "${SECRET_KEY_FILE:-}" ]; then
-  [ -s var/secret_key ] || .venv/bin/python -c "import secrets; print(secrets.token_urlsafe(50))" > var/secret_key
-  export SECRET_KEY_FILE=$PWD/var/secret_key
+  [ -s "$VAR/secret_key" ] || .venv/bin/python -c "import secrets; print(secrets.token_urlsafe(50))" > "$VAR/secret_key"
+  export SECRET_KEY_FILE=$VAR/secret_key
 fi
 if [ -z "${API_KEY_PEPPER:-}" ] && [ -z "${API_KEY_PEPPER_FILE:-}" ]; then
-  [ -s var/api_key_pepper ] || .venv/bin/python -c "import secrets; print(secrets.token_urlsafe(32))" > var/api_key_pepper
-  export API_KEY_PEPPER_FILE=$PWD/var/api_key_pepper
+  [ -s "$VAR/api_key_pepper" ] || .venv/bin/python -c "import secrets; print(secrets.token_urlsafe(32))" > "$VAR/api_key_pepper"
+  export API_KEY_PEPPER_FILE=$VAR/api_key_pepper
 fi
 export DJANGO_SETTINGS_MODULE=config.settings
 PORT=${PORT:-8000}
@@ -36,18 +40,18 @@ PY=.venv/bin/python
 # started again (with a line in the log, and backoff while it keeps failing to start), and Ctrl-C
 # stops them all, each drained first (SIGTERM, then SIGKILL after 45 s). The embedded redis (when
 # REDIS_URL is unset) is one of them, started first, so that the set-up commands below reach it.
-CONF=var/supervisord.conf
+CONF=$VAR/supervisord.conf
 embedded=false
 if [ -z "${REDIS_URL:-}" ]; then
   embedded=true
   # One left running by an earlier start (before supervision, or daemonized by a manage.py
   # command) would hold the socket: stop it; it saves its data on the way out.
-  if [ -s var/redis.pid ] && kill -0 "$(cat var/redis.pid)" 2>/dev/null; then
-    kill -TERM "$(cat var/redis.pid)" 2>/dev/null || true
-    for _ in $(seq 1 100); do kill -0 "$(cat var/redis.pid)" 2>/dev/null || break; sleep 0.1; done
+  if [ -s "$VAR/redis.pid" ] && kill -0 "$(cat "$VAR/redis.pid")" 2>/dev/null; then
+    kill -TERM "$(cat "$VAR/redis.pid")" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$(cat "$VAR/redis.pid")" 2>/dev/null || break; sleep 0.1; done
   fi
-  rm -f var/redis.pid
-  export REDIS_URL="unix://$PWD/var/redis.sock"
+  rm -f "$VAR/redis.pid"
+  export REDIS_URL="unix://$VAR/redis.sock"
 fi
 # Half the cores for the engine's CPU threads, the rest for daphne and celery: OpenMP threads beyond
 # the free cores wait on each other at every barrier and make each step many times slower.
@@ -78,26 +82,26 @@ EOF
   cat <<EOF
 [supervisord]
 nodaemon=true
-logfile=$PWD/var/supervisord.log
-pidfile=$PWD/var/supervisord.pid
-childlogdir=$PWD/var
+logfile=$VAR/supervisord.log
+pidfile=$VAR/supervisord.pid
+childlogdir=$VAR
 
 [unix_http_server]
-file=$PWD/var/supervisor.sock
+file=$VAR/supervisor.sock
 chmod=0700
 
 [supervisorctl]
-serverurl=unix://$PWD/var/supervisor.sock
+serverurl=unix://$VAR/supervisor.sock
 
 [rpcinterface:supervisor]
 supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
 
 EOF
-  if [ "$embedded" = true ]; then program redis 1 true "$PWD/$PY -m config.embedded_redis $PWD/var"; fi
+  if [ "$embedded" = true ]; then program redis 1 true "$PWD/$PY -m config.embedded_redis $VAR"; fi
   program web 10 false "$PWD/$PY -m config.web_server -b 127.0.0.1 -p $PORT config.asgi:application"
   program engine 10 false "$PWD/$PY manage.py run_engine --model $MODEL_NAME"
-  program celery-worker 20 false "$PWD/.venv/bin/celery -A config worker --loglevel=warning --concurrency=1"
-  program celery-beat 20 false "$PWD/.venv/bin/celery -A config beat --loglevel=warning --schedule=$PWD/var/celerybeat-schedule"
+  program celery-worker 20 false "$PWD/.venv/bin/celery -A config worker --loglevel=warning --concurrency=1 --without-gossip --without-mingle --without-heartbeat"
+  program celery-beat 20 false "$PWD/.venv/bin/celery -A config beat --loglevel=warning --schedule=$VAR/celerybeat-schedule"
 } > "$CONF"
 
 .venv/bin/supervisord -c "$CONF" &
@@ -112,10 +116,10 @@ stop_all() {
 }
 trap stop_all INT TERM EXIT
 ctl() { .venv/bin/supervisorctl -c "$CONF" "$@"; }
-for _ in $(seq 1 100); do [ -S var/supervisor.sock ] && ctl pid >/dev/null 2>&1 && break; sleep 0.1; done
+for _ in $(seq 1 100); do [ -S "$VAR/supervisor.sock" ] && ctl pid >/dev/null 2>&1 && break; sleep 0.1; done
 if [ "$embedded" = true ]; then
   for _ in $(seq 1 100); do
-    $PY -c "import redis; redis.Redis(unix_socket_path='var/redis.sock').ping()" 2>/dev/null && break
+    $PY -c "import redis; redis.Redis(unix_socket_path='$VAR/redis.sock').ping()" 2>/dev/null && break
     sleep 0.1
   done
 fi
