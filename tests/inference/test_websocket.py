@@ -161,3 +161,35 @@ async def test_malformed_messages_get_an_error_and_the_connection_stays_usable(w
     messages = await _until_done(communicator, {"ok"})
     assert messages["ok"][-1]["type"] == "done"
     await communicator.disconnect()
+
+
+async def test_a_stream_that_fails_on_something_unexpected_ends_with_an_error_not_a_hang(world):
+    """A malformed engine event (a replica of another protocol version, a bug) raises no
+    PlatformError: the stream must still end with an error its client can read, be aborted in the
+    engine and billed for what was sent."""
+    from engine.protocol import DeltaOutput, Event
+
+    await world.faults.heartbeat()
+    communicator = await _connect(["pagoda.v1", f"pagoda.bearer.{world.raw_key_a}"])
+    assert (await communicator.receive_json_from(timeout=10))["type"] == "authenticated"
+    await communicator.send_json_to(_chat("s", world.model, max_tokens=50))
+    request = await world.faults.next_request()
+    await world.faults.emit(request.request_id, Event.delta([DeltaOutput(0, "Hi", [5, 6])]))
+    assert (await communicator.receive_json_from(timeout=10))["content"] == "Hi"
+
+    await world.faults.emit_raw(request.request_id, {"data": '{"v": 999, "type": "delta"}'})
+    message = await communicator.receive_json_from(timeout=10)
+    assert message == {
+        "type": "error",
+        "id": "s",
+        "error": {
+            "message": "The server had an error while processing your request.",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        },
+    }
+    assert await world.faults.cancels() == [request.request_id]
+    row = await UsageRecord.objects.aget(request_id=request.request_id)
+    assert (row.status, row.completion_tokens) == ("error", 2)
+    await communicator.disconnect()
