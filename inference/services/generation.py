@@ -156,9 +156,8 @@ class Generation:
         if not await ready_replica_ids_async(plan.model):
             raise engine_unavailable(plan.model)
         await self._take_queue_places()
-        owner_ensure_beating()
         reserving = asyncio.ensure_future(
-            blocking(admission_reserve)(
+            blocking(_reserve_as_owner)(
                 auth=self.auth,
                 model=plan.model,
                 prompt_tokens=plan.prompt_tokens,
@@ -447,6 +446,12 @@ class Generation:
             if lost_at is not None:
                 logger.info("settled %s after %.1f s", plan.request_id, time.monotonic() - lost_at)
             return
+
+
+def _reserve_as_owner(**kwargs: Any) -> Reservation:
+    """admission_reserve, with this process's owner key alive before its first reservation."""
+    owner_ensure_beating()
+    return admission_reserve(**kwargs)
 
 
 _PLANNERS = {"chat": chat_plan_create, "completion": completion_plan_create}

@@ -61,9 +61,12 @@ _beating = threading.Event()
 
 
 def owner_ensure_beating() -> None:
-    """Keep this process's owner key alive, from a daemon thread started on the first call."""
+    """Keep this process's owner key alive, from a daemon thread started on the first call. That
+    call sets the key itself (a blocking Redis call: make it from a thread), so no reservation of
+    this process is ever seen without it."""
     if _beating.is_set():
         return
+    owner_beat()
     _beating.set()
     threading.Thread(target=_beat_forever, name="settlement-owner", daemon=True).start()
 
