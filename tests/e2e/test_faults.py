@@ -5,6 +5,9 @@ an engine replica, two web processes (daphne through config.web_server), the off
   the engine recorded, cancels its generation (nobody reads it), and frees its reservation.
 - Redis restarted mid-stream (SIGTERM, as a supervisor or an operator restarts it; it keeps its
   data in its append-only file): the stream completes with every token once, and is billed once.
+  Crashed (SIGKILL): the stream completes, or ends with stream_interrupted, billed what was sent.
+- Redis down for a while: new requests get a 503 with Retry-After, /ready says not_ready, no
+  process exits (each logs the outage once), and a running stream waits and then completes.
 
 After each: the ledger has exactly one row per request, with the tokens produced; the tenant's
 concurrency and reserved tokens are back to zero; and the platform serves a new request.
@@ -19,7 +22,10 @@ from dataclasses import dataclass
 
 import openai
 import pytest
+from django.conf import settings
 
+from core.redis_client import get_redis
+from engine.protocol import cancel_request_id, cancel_stream
 from tenants.models import Tenant, UsageRecord
 from tests.conftest import make_world
 from tests.e2e.faults import OwnRedis, own_redis_settings
@@ -118,6 +124,20 @@ def test_a_web_process_killed_mid_stream_is_billed_by_a_settler_and_its_generati
     world.second_web.popen.send_signal(signal.SIGKILL)
     world.second_web.popen.wait(timeout=30)
     killed_at = time.monotonic()
+    # The engine is frozen until the settler has cancelled the stream nobody reads: the tiny model
+    # could otherwise write all its tokens before the owner key lapses.
+    with stack.paused("a", settle_ms=0):
+        stack.wait_until(
+            lambda: (
+                request_id
+                in [
+                    cancel_request_id(f)
+                    for _, f in get_redis().xrange(cancel_stream(settings.REDIS_PREFIX, MODEL))
+                ]
+            ),
+            timeout=60,
+            what="the settler to cancel the abandoned request",
+        )
 
     row = stack.wait_until(
         lambda: UsageRecord.objects.filter(request_id=request_id).first(),
@@ -221,4 +241,61 @@ def test_a_stream_across_a_redis_crash_completes_or_ends_cleanly_and_is_billed_w
         # Billed for what the client was sent: one token per content chunk (the first carries the role).
         assert (row.status, row.completion_tokens) == ("error", len(received) - 1)
     assert_settled(world.tenant, sorted(before | {request_id}))
+    _serves_a_new_request(world)
+
+
+def test_while_redis_is_down_new_requests_get_a_503_nothing_exits_and_a_running_stream_waits(world):
+    stack = world.stack
+    before = set(UsageRecord.objects.filter(tenant=world.tenant).values_list("request_id", flat=True))
+    client = _client(stack.base_url, world.raw_key)
+    max_tokens = 600
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    request_id = stream.response.headers["x-request-id"]
+    chunks = iter(stream)
+    received = [next(chunks) for _ in range(10)]
+    engine_log = stack.replicas["a"].log_path
+    lost_before = engine_log.read_text().count("lost the connection to Redis")
+    world.redis.stop()
+    try:
+        # A new request: an OpenAI-shaped 503 that says when to retry, never a 500 or a page.
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert caught.value.status_code == 503
+        assert caught.value.body["code"] == "service_unavailable"
+        assert int(caught.value.response.headers["retry-after"]) > 0
+        status, body = stack.ready()
+        assert (status, body["status"], body["checks"]["redis"] != "ok") == (503, "not_ready", True)
+        stack.wait_until(
+            lambda: engine_log.read_text().count("lost the connection to Redis") > lost_before,
+            timeout=30,
+            what="the engine to notice the outage",
+        )
+        # Every process rides it out (the killed second web process of the first test aside).
+        assert [stack.web.popen.poll(), stack.replicas["a"].popen.poll()] == [None, None]
+    finally:
+        world.redis.start()
+    received += list(chunks)
+
+    # The engine kept the sequence: the stream completes, every token once, billed once.
+    assert received[-1].usage.completion_tokens == max_tokens
+    events = engine_events(request_id)
+    text = "".join(c.choices[0].delta.content or "" for c in received if c.choices)
+    assert text == "".join(o["text"] for e in events if e.type == "delta" for o in e.outputs)
+    row = stack.wait_until(
+        lambda: UsageRecord.objects.filter(request_id=request_id).first(), timeout=30, what="the ledger row"
+    )
+    assert (row.status, row.completion_tokens) == ("success", max_tokens)
+    assert_settled(world.tenant, sorted(before | {request_id}))
+    # One line when the connection went, one when it came back: not one per retry.
+    log = engine_log.read_text()
+    assert log.count("lost the connection to Redis") == lost_before + 1
+    assert log.count("Redis answers again") == lost_before + 1
     _serves_a_new_request(world)
