@@ -424,7 +424,12 @@ class Generation:
         while True:
             try:
                 if unfinished:
-                    await self.gateway.cancel(model=plan.model, request_ids=unfinished)
+                    try:
+                        await self.gateway.cancel(model=plan.model, request_ids=unfinished)
+                    except REDIS_CONNECTION_ERRORS:
+                        raise
+                    except Exception:  # the request is settled all the same
+                        logger.exception("could not signal the abort of %s", plan.request_id)
                     unfinished = []
                 await blocking(settlement_close)(
                     reservation=self.reservation,
