@@ -4,7 +4,8 @@ directory of the test's own; the random-weight demo model), with its processes u
 - the engine SIGKILLed mid-stream: the stream ends with a clean error, billed for what was sent;
   the supervisor starts the engine again and the platform serves a new request, with no one
   restarting anything;
-- the embedded Redis SIGKILLed: it is started again, and the platform serves;
+- the embedded Redis SIGKILLed: it is started again, and the platform serves, while the web
+  process and Celery ride it out (the supervisor had to start nothing else);
 - Ctrl-C (SIGINT to the process group) stops every process.
 """
 
@@ -131,6 +132,11 @@ def test_up_sh_restarts_what_dies_and_ctrl_c_stops_everything(tmp_path):
         )
         wait_until(serves, timeout=60, interval=0.5, what="a new request after the Redis restart")
         assert "Traceback" not in log_text()
+        # Only what was killed was started again: the others rode out the engine's and Redis's deaths.
+        supervisor_log = (var / "supervisord.log").read_text()
+        for program in ("web", "celery-worker", "celery-beat"):
+            assert supervisor_log.count(f"spawned: '{program}'") == 1, program
+        assert supervisor_log.count("spawned: 'redis'") == 2
     finally:
         # Ctrl-C: SIGINT to the whole process group, as a terminal sends it.
         os.killpg(up.pid, signal.SIGINT)
