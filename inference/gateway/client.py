@@ -25,6 +25,7 @@ CANCEL_STREAM_MAXLEN = 10_000
 class EngineGateway:
     def __init__(self, *, prefix: str) -> None:
         self.prefix = prefix
+        self._interrupted = False  # a read found entries missing from an output stream
 
     async def submit(self, request: GenerateRequest) -> None:
         await get_async_redis().xadd(requests_stream(self.prefix, request.model), request.encode())
@@ -45,21 +46,25 @@ class EngineGateway:
         """Events after `positions` (request id -> last stream entry id read), advancing them.
 
         Blocks up to `block_ms` when nothing is there yet; returns [] on timeout. The streams are
-        read by the event loop's shared reader (inference.gateway.reader) until `forget`. Raises
-        ServiceUnavailableError (stream_interrupted) when entries are missing between two that
-        were read: Redis lost its last writes in a restart.
+        read by the event loop's shared reader (inference.gateway.reader) until `forget`. When
+        entries are missing between two that were read (Redis lost its last writes in a restart),
+        the events before the hole are returned and the next read raises ServiceUnavailableError
+        (stream_interrupted).
         """
+        if self._interrupted:
+            raise ServiceUnavailableError(
+                "Part of this response was lost when the engines' queue restarted; the request was "
+                "stopped and is billed for what was sent.",
+                code="stream_interrupted",
+            )
         before = dict(positions)
         entries = await get_stream_reader(self.prefix).read(positions, block_ms=block_ms)
         events = []
         for request_id, (entry_id, fields) in entries:
             last = before.get(request_id)
             if entry_gap(None if last in (None, "0-0") else last, entry_id):
-                raise ServiceUnavailableError(
-                    "Part of this response was lost when the engines' queue restarted; the request "
-                    "was stopped and is billed for what was sent.",
-                    code="stream_interrupted",
-                )
+                self._interrupted = True
+                break
             before[request_id] = entry_id
             events.append((request_id, Event.decode(fields)))
         return events
@@ -70,4 +75,5 @@ class EngineGateway:
 
 
 def get_gateway() -> EngineGateway:
+    """A gateway for one generation (it remembers whether that generation's streams lost entries)."""
     return EngineGateway(prefix=settings.REDIS_PREFIX)

@@ -441,3 +441,37 @@ async def test_a_malformed_engine_event_ends_the_stream_with_a_server_error_and_
     assert await world.faults.cancels() == [request.request_id]
     [row] = await ledger(response["x-request-id"])
     assert (row.status, row.completion_tokens) == ("error", 2)
+
+
+async def test_entries_lost_from_an_output_stream_end_it_with_stream_interrupted_billed_what_was_sent(world):
+    """A Redis that crashed may come back without its last writes: the reader sees the engine's
+    entry numbers jump, and ends the stream rather than send text with a hole in it."""
+    from core.redis_client import get_async_redis
+    from engine.protocol import DeltaOutput, Event, output_stream
+
+    await world.faults.heartbeat()
+    response = await api_post(world, URL, chat_body(world, stream=True))
+    request = await world.faults.next_request()
+    key = output_stream(world.faults.prefix, request.request_id)
+    stamp = 1_700_000_000_000
+
+    def delta(text: str, token: int) -> dict:
+        return Event.delta([DeltaOutput(0, text, [token])]).encode()
+
+    await get_async_redis().xadd(key, delta("Hi", 5), id=f"{stamp}-0")
+    await get_async_redis().xadd(key, delta(" there", 6), id=f"{stamp}-1")
+    # Entries 2 and 3 were lost with Redis's last second; the engine went on with entry 4.
+    await get_async_redis().xadd(key, delta(" friend", 9), id=f"{stamp}-4")
+    events = sse_events(b"".join([chunk async for chunk in response.streaming_content]))
+
+    assert [json.loads(e)["choices"][0]["delta"] for e in events[:-2]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hi"},
+        {"content": " there"},
+    ]
+    error = json.loads(events[-2])["error"]
+    assert (error["code"], error["type"]) == ("stream_interrupted", "server_error")
+    assert events[-1] == "[DONE]"
+    assert await world.faults.cancels() == [request.request_id]
+    [row] = await ledger(response["x-request-id"])
+    assert (row.status, row.completion_tokens) == ("error", 2)
