@@ -2,7 +2,12 @@
 
 Each source is compiled with the machine's C compiler for the machine's own vector units, once, into
 PAGODA_CACHE_DIR/kernels under a name keyed by the source, the flags, the compiler and the CPU;
-later processes load the cached library. torch is imported first, so a library's libgomp.so.1
+later processes load the cached library. Loading a library runs its code, and the cache path is
+predictable, so a library is loaded only from a directory this user owns that no one else can
+write (nor rename: every directory above it is this user's or root's, and writable by others only
+when sticky), and only when the file itself is this user's and writable by no one else. Where the
+cache fails that test the library is built afresh in a private temporary directory instead, and a
+cached file that fails it is rebuilt over. torch is imported first, so a library's libgomp.so.1
 resolves to torch's own OpenMP runtime and shares its threads. Where no compiler exists, or
 PAGODA_CPU_KERNELS=0, `load` returns None and callers keep to their torch paths.
 """
@@ -15,10 +20,13 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch  # noqa: F401  (loaded before any library: see the docstring)
 
@@ -36,6 +44,59 @@ def _cache_dir() -> Path:
     return root / "kernels"
 
 
+class UnsafeCacheError(OSError):
+    """A library or its directory that someone other than this user (or root) could have written."""
+
+
+def _check_private(st: os.stat_result, what: str, *, kind: int) -> None:
+    if stat.S_IFMT(st.st_mode) != kind:
+        raise UnsafeCacheError(f"{what} is not a plain {'directory' if kind == stat.S_IFDIR else 'file'}")
+    if st.st_uid != os.geteuid():
+        raise UnsafeCacheError(f"{what} belongs to uid {st.st_uid}, not this user ({os.geteuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheError(
+            f"{what} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o})"
+        )
+
+
+def _check_ancestors(directory: Path) -> None:
+    # Whoever may write a directory above the cache may rename the cache away and put their own in
+    # its place; a sticky directory (/tmp) lets each user rename only their own entries.
+    for parent in directory.parents:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.geteuid()):
+            raise UnsafeCacheError(f"{parent} above the kernel cache belongs to uid {st.st_uid}")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeCacheError(f"{parent} above the kernel cache is writable by others and not sticky")
+
+
+def _private_dir(directory: Path) -> Path:
+    """``directory`` (made 0o700 where it is missing), checked to be this user's alone."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    # Resolved once, and that path used from here on: no symlink on it can be swapped later.
+    directory = directory.resolve()
+    _check_private(os.lstat(directory), str(directory), kind=stat.S_IFDIR)
+    _check_ancestors(directory)
+    return directory
+
+
+def _trusted(library: Path) -> bool:
+    """Whether ``library`` is a plain file of this user's that no one else can write (False when
+    it is missing; raises nothing for a bad one, which the caller rebuilds over)."""
+    try:
+        _check_private(os.lstat(library), str(library), kind=stat.S_IFREG)
+    except FileNotFoundError:
+        return False
+    except UnsafeCacheError as exc:
+        log.warning("not loading the cached CPU kernel: %s; rebuilding it", exc)
+        return False
+    return True
+
+
 def _cpu_signature() -> str:
     # -march=native builds for this CPU: a cache shared with machines of another kind must not
     # hand them this build, so the key holds the CPU's model and flags.
@@ -46,7 +107,9 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _build(name: str, compiler: str) -> Path:
+def _build(name: str, compiler: str, directory: Path) -> Path:
+    """The library for kernels/cpu/<name>.c in ``directory`` (a private one), compiled unless a
+    trusted build of the same key is there already."""
     source = SOURCES / f"{name}.c"
     headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
     key = hashlib.sha256(
@@ -56,15 +119,14 @@ def _build(name: str, compiler: str) -> Path:
         + compiler.encode()
         + _cpu_signature().encode()
     ).hexdigest()[:16]
-    out = _cache_dir() / f"{name}-{key}.so"
-    if out.exists():
+    out = directory / f"{name}-{key}.so"
+    if _trusted(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Built beside its final name and moved into place: processes compiling at once never load a
-    # half-written library.
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
+    # half-written library. The linker creates its output with the process's umask, so the build
+    # happens in a directory of its own (0o700) that no one else can reach until it is made private.
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as build:
+        tmp = os.path.join(build, out.name)
         subprocess.run(
             [compiler, *FLAGS, "-o", tmp, str(source), "-lm"],
             check=True,
@@ -72,14 +134,12 @@ def _build(name: str, compiler: str) -> Path:
             text=True,
             timeout=120,
         )
+        os.chmod(tmp, 0o700)
         os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out
 
 
-def load(name: str, signatures: dict[str, tuple[object, list[object]]]) -> ctypes.CDLL | None:
+def load(name: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]]) -> ctypes.CDLL | None:
     """kernels/cpu/<name>.c compiled and loaded with its functions' (restype, argtypes) set, or
     None where it cannot be (the reason is logged once)."""
     with _lock:
@@ -93,7 +153,7 @@ def load(name: str, signatures: dict[str, tuple[object, list[object]]]) -> ctype
             log.warning("no C compiler found: the CPU path runs without its C kernels")
             return None
         try:
-            lib = ctypes.CDLL(str(_build(name, compiler)))
+            lib = _build_and_load(name, compiler)
         except (OSError, subprocess.SubprocessError) as exc:
             log.warning(
                 "CPU kernel %s unavailable (%s): its torch path runs instead",
@@ -107,3 +167,15 @@ def load(name: str, signatures: dict[str, tuple[object, list[object]]]) -> ctype
             fn.argtypes = argtypes
         _loaded[name] = lib
         return lib
+
+
+def _build_and_load(name: str, compiler: str) -> ctypes.CDLL:
+    try:
+        directory = _private_dir(_cache_dir())
+    except UnsafeCacheError as exc:
+        # Never the shared cache: a build of this process's own, in a directory only it knows.
+        log.warning("kernel cache refused (%s): building %s in a private temporary directory", exc, name)
+        with tempfile.TemporaryDirectory(prefix="pagoda-kernels-") as tmp:
+            # The mapping outlives the file: the directory goes once the library is loaded.
+            return ctypes.CDLL(str(_build(name, compiler, _private_dir(Path(tmp)))))
+    return ctypes.CDLL(str(_build(name, compiler, directory)))

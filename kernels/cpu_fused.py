@@ -47,6 +47,7 @@ _SIGNATURES = {
             ctypes.c_void_p,  # slots (int64)
             ctypes.c_void_p,  # k_cache
             ctypes.c_void_p,  # v_cache
+            ctypes.c_int64,  # num_slots (token rows of each cache)
             ctypes.c_int64,  # tokens
             ctypes.c_int,  # num_heads
             ctypes.c_int,  # num_kv_heads
@@ -57,7 +58,9 @@ _SIGNATURES = {
     ),
 }
 _DTYPES = (torch.float32, torch.bfloat16)
-MAX_ROW = 16384  # widest row (hidden or intermediate size) the kernels' per-row scratch holds
+# Widest row (hidden or intermediate size) the kernels' per-row scratch holds at once; wider rows
+# are taken a chunk of this width at a time.
+MAX_ROW = 16384
 
 
 def _load() -> ctypes.CDLL | None:
@@ -69,13 +72,7 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype in _DTYPES
-        and x.dim() == 2
-        and x.is_contiguous()
-        and x.shape[1] <= 2 * MAX_ROW
-    )
+    return x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.is_contiguous()
 
 
 def rms_norm(
@@ -166,6 +163,7 @@ def rope_and_store_kv(
         slot_mapping.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        k_cache.shape[0] * k_cache.shape[1],
         tokens,
         num_heads,
         num_kv_heads,
@@ -173,5 +171,10 @@ def rope_and_store_kv(
         int(qkv.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
+    if status == 2:
+        raise IndexError(
+            f"rope_and_store_kv: a slot lies outside the KV cache's {k_cache.shape[0] * k_cache.shape[1]} "
+            "slots (nothing was written)"
+        )
     if status != 0:
         raise ValueError(f"rope_and_store_kv: head_dim {head_dim} is beyond the kernel's limit (512, even)")

@@ -7,6 +7,10 @@ The source (kernels/cpu/paged_decode_attention.c) is compiled on first use (kern
 called through ctypes; its threads are those of torch's OpenMP runtime. Where it cannot be built
 (no compiler, or PAGODA_CPU_KERNELS=0) `available()` is False and the torch path runs instead.
 
+The kernel checks what the caller hands it before reading anything: a block table entry a context
+reads outside the pool, a context longer than its table row covers, or a row outside q raises
+(IndexError or ValueError) instead of reading or writing out of bounds.
+
 Reference: kernels.reference.ref_paged_attention (each query a decode row).
 """
 
@@ -27,10 +31,13 @@ _SIGNATURES = {
             ctypes.c_void_p,  # k_cache
             ctypes.c_void_p,  # v_cache
             ctypes.c_int,  # is_bf16
+            ctypes.c_int64,  # num_blocks
             ctypes.c_void_p,  # block_tables
             ctypes.c_int64,  # bt_stride
+            ctypes.c_int64,  # bt_width
             ctypes.c_void_p,  # seq_lens
             ctypes.c_void_p,  # rows (nullable)
+            ctypes.c_int64,  # num_rows (of q and out)
             ctypes.c_int,  # num_seqs
             ctypes.c_int,  # num_heads
             ctypes.c_int,  # num_kv_heads
@@ -62,7 +69,7 @@ def paged_decode_attention_cpu(
     q: torch.Tensor,  # (num_rows, num_heads, head_dim), each row contiguous
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32, entries in [0, num_blocks)
     seq_lens: torch.Tensor,  # (num_seqs,) int32: context length including the query's own token
     scale: float,
     *,
@@ -77,7 +84,7 @@ def paged_decode_attention_cpu(
     _cpu_paged.check_inputs(q, k_cache, v_cache, block_tables)
     num_seqs = seq_lens.shape[0]
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    if block_tables.shape[0] != num_seqs:
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError("block_tables and seq_lens disagree on the number of sequences")
     if rows is None:
         if q.shape[0] != num_seqs:
@@ -95,10 +102,13 @@ def paged_decode_attention_cpu(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         int(q.dtype == torch.bfloat16),
+        k_cache.shape[0],
         block_tables.data_ptr(),
         block_tables.stride(0),
+        block_tables.shape[1],
         seq_lens.data_ptr(),
         None if rows is None else rows.data_ptr(),
+        q.shape[0],
         num_seqs,
         q.shape[1],
         k_cache.shape[2],
@@ -108,8 +118,5 @@ def paged_decode_attention_cpu(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == 2:
-        raise MemoryError("decode attention: out of memory for the score buffers")
-    if status != 0:
-        raise ValueError("decode attention: sizes beyond the kernel's limits")
+    _cpu_paged.raise_for_status(status, "decode attention", "score buffers")
     return out

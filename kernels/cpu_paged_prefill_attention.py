@@ -9,6 +9,10 @@ first use (kernels._cpu_build) and called through ctypes; its threads are those 
 runtime. Where it cannot be built (no compiler, or PAGODA_CPU_KERNELS=0) `available()` is False and
 the torch path runs instead.
 
+The kernel checks what the caller hands it before reading anything: a block table entry a context
+reads outside the pool, a context longer than its table row covers, or a chunk's rows outside q or
+the block tables raise (IndexError or ValueError) instead of reading or writing out of bounds.
+
 Reference: kernels.reference.ref_paged_attention.
 """
 
@@ -29,12 +33,16 @@ _SIGNATURES = {
             ctypes.c_void_p,  # k_cache
             ctypes.c_void_p,  # v_cache
             ctypes.c_int,  # is_bf16
+            ctypes.c_int64,  # num_blocks
             ctypes.c_void_p,  # block_tables
             ctypes.c_int64,  # bt_stride
+            ctypes.c_int64,  # bt_rows
+            ctypes.c_int64,  # bt_width
             ctypes.c_void_p,  # chunk_seq
             ctypes.c_void_p,  # q_start
             ctypes.c_void_p,  # q_len
             ctypes.c_void_p,  # seq_len
+            ctypes.c_int64,  # num_rows (of q and out)
             ctypes.c_int,  # num_chunks
             ctypes.c_int,  # num_heads
             ctypes.c_int,  # num_kv_heads
@@ -85,6 +93,8 @@ class ChunkTable:
             raise ValueError("chunk lists of different lengths")
         if any(not 1 <= q <= n for q, n in zip(query_lens, seq_lens, strict=True)):
             raise ValueError("each chunk needs 1 <= query_len <= seq_len")
+        if any(s < 0 for s in seqs) or any(s < 0 for s in starts):
+            raise ValueError("a chunk names a negative sequence or query row")
         self.seqs = torch.tensor(seqs, dtype=torch.int32)
         self.starts = torch.tensor(starts, dtype=torch.int64)
         self.query_lens = torch.tensor(query_lens, dtype=torch.int32)
@@ -129,12 +139,16 @@ def paged_prefill_attention_cpu(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         int(q.dtype == torch.bfloat16),
+        k_cache.shape[0],
         block_tables.data_ptr(),
         block_tables.stride(0),
+        block_tables.shape[0],
+        block_tables.shape[1],
         chunks.seqs.data_ptr(),
         chunks.starts.data_ptr(),
         chunks.query_lens.data_ptr(),
         chunks.seq_lens.data_ptr(),
+        q.shape[0],
         len(chunks),
         q.shape[1],
         num_kv_heads,
@@ -144,8 +158,5 @@ def paged_prefill_attention_cpu(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == 2:
-        raise MemoryError("prefill attention: out of memory for the tile buffers")
-    if status != 0:
-        raise ValueError("prefill attention: sizes beyond the kernel's limits")
+    _cpu_paged.raise_for_status(status, "prefill attention", "tile buffers")
     return out

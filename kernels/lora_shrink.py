@@ -111,7 +111,7 @@ def lora_shrink(
     if slot_indices.shape != (num_tokens,):
         raise ValueError(f"slot_indices must be ({num_tokens},), got {tuple(slot_indices.shape)}")
     has_slot_scale = isinstance(scale, torch.Tensor)
-    if has_slot_scale:
+    if isinstance(scale, torch.Tensor):
         if scale.shape != (num_slots,) or scale.dtype != torch.float32 or scale.device != x.device:
             raise ValueError(f"a per-slot scale must be ({num_slots},) float32 on {x.device}")
         slot_scale = scale

@@ -20,13 +20,15 @@ from kernels._paged import load_kv_tile
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks", "max_blocks"])
 def _paged_decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    num_blocks,
+    max_blocks,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -103,6 +105,8 @@ def _paged_decode_attention_kernel(
             k_cache_ptr,
             v_cache_ptr,
             block_table_row,
+            num_blocks,
+            max_blocks,
             pos,
             mask_n,
             offs_d,
@@ -277,6 +281,8 @@ def paged_decode_attention(
         v_cache,
         seq_lens,
         block_tables,
+        k_cache.shape[0],
+        block_tables.shape[1],
         out,
         part_out,
         part_lse,

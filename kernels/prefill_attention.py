@@ -20,7 +20,7 @@ from kernels._paged import load_kv_tile
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks", "max_blocks"])
 def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -28,6 +28,8 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    num_blocks,
+    max_blocks,
     out_ptr,
     qk_scale,
     stride_qt,
@@ -97,6 +99,8 @@ def _prefill_attention_kernel(
             k_cache_ptr,
             v_cache_ptr,
             block_table_row,
+            num_blocks,
+            max_blocks,
             pos,
             mask_n,
             offs_d,
@@ -214,6 +218,8 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        k_cache.shape[0],
+        block_tables.shape[1],
         out,
         scale * LOG2E,
         *q.stride(),

@@ -22,6 +22,7 @@ def _store_kvcache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    num_slots,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -45,8 +46,10 @@ def _store_kvcache_kernel(
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # A negative slot marks a row with nothing to store. (The engine's CUDA-graph padding rows do not
-    # use it: they write to a scratch block past the pool.)
-    if slot < 0:
+    # use it: they write to a scratch block past the pool.) One past the cache would write another
+    # tensor's memory; checking it on the host would cost a device sync per layer (and break CUDA
+    # graph capture), so it is dropped here like a negative one.
+    if (slot < 0) | (slot >= num_slots):
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -72,7 +75,7 @@ def store_kvcache(
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64; negative slots are skipped
+    slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64; negative slots, and slots past the cache, are skipped
 ) -> None:
     check_float("k", k)
     check_int("slot_mapping", slot_mapping)
@@ -99,6 +102,7 @@ def store_kvcache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_cache.shape[0] * k_cache.shape[1],
         *k.stride(),
         *v.stride(),
         *k_cache.stride(),

@@ -26,7 +26,7 @@ static inline void round_row_bf16(float *v, int64_t n) {
     for (; i < n; i++) v[i] = round_bf16(v[i]);
 }
 
-#define MAX_ROW 16384 /* floats of per-row scratch on a thread's stack */
+#define MAX_ROW 16384 /* floats of per-row scratch on a thread's stack: wider rows go in chunks */
 
 /* silu(g) * u over one row of width floats (u == NULL: silu(g) alone). */
 static inline void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t width) {
@@ -64,27 +64,37 @@ void rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
         } else {
+            /* A chunk of the row at a time through float32 scratch on the thread's stack: rows of
+             * any width, and a row that fits one chunk is read once. */
             float xf[MAX_ROW], tmp[MAX_ROW];
             uint16_t *xr = (uint16_t *)x + base;
-            bf16_row_to_float(xr, xf, dim);
-            if (delta) {
-                bf16_row_to_float((const uint16_t *)delta + base, tmp, dim);
+            for (int64_t c = 0; c < dim; c += MAX_ROW) {
+                const int64_t n = dim - c < MAX_ROW ? dim - c : MAX_ROW;
+                bf16_row_to_float(xr + c, xf, n);
+                if (delta) {
+                    bf16_row_to_float((const uint16_t *)delta + base + c, tmp, n);
 #pragma omp simd
-                for (int64_t i = 0; i < dim; i++) xf[i] += tmp[i];
-                round_row_bf16(xf, dim);
-                float_row_to_bf16(xf, xr, dim);
-            }
+                    for (int64_t i = 0; i < n; i++) xf[i] += tmp[i];
+                    round_row_bf16(xf, n);
+                    float_row_to_bf16(xf, xr + c, n);
+                }
 #pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < dim; i++) sum += xf[i] * xf[i];
+                for (int64_t i = 0; i < n; i++) sum += xf[i] * xf[i];
+            }
             float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-            /* As the reference: the normalised row is rounded to bfloat16 before the weight. */
+            for (int64_t c = 0; c < dim; c += MAX_ROW) {
+                const int64_t n = dim - c < MAX_ROW ? dim - c : MAX_ROW;
+                /* x holds the updated row in bfloat16, so reading a chunk again is exact. */
+                if (dim > MAX_ROW) bf16_row_to_float(xr + c, xf, n);
+                /* As the reference: the normalised row is rounded to bfloat16 before the weight. */
 #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) xf[i] *= inv;
-            round_row_bf16(xf, dim);
-            bf16_row_to_float((const uint16_t *)weight, tmp, dim);
+                for (int64_t i = 0; i < n; i++) xf[i] *= inv;
+                round_row_bf16(xf, n);
+                bf16_row_to_float((const uint16_t *)weight + c, tmp, n);
 #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) xf[i] *= tmp[i];
-            float_row_to_bf16(xf, (uint16_t *)out + base, dim);
+                for (int64_t i = 0; i < n; i++) xf[i] *= tmp[i];
+                float_row_to_bf16(xf, (uint16_t *)out + base + c, n);
+            }
         }
     }
 }
@@ -99,13 +109,16 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int i
         } else {
             float gf[MAX_ROW], uf[MAX_ROW];
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width;
-            bf16_row_to_float(g, gf, width);
-            bf16_row_to_float(g + width, uf, width);
-            silu_mul_row_f32(gf, NULL, gf, width);
-            round_row_bf16(gf, width); /* silu rounded to bfloat16 before the product, as eager */
+            for (int64_t c = 0; c < width; c += MAX_ROW) {
+                const int64_t n = width - c < MAX_ROW ? width - c : MAX_ROW;
+                bf16_row_to_float(g + c, gf, n);
+                bf16_row_to_float(g + width + c, uf, n);
+                silu_mul_row_f32(gf, NULL, gf, n);
+                round_row_bf16(gf, n); /* silu rounded to bfloat16 before the product, as eager */
 #pragma omp simd
-            for (int64_t i = 0; i < width; i++) gf[i] *= uf[i];
-            float_row_to_bf16(gf, (uint16_t *)out + r * width, width);
+                for (int64_t i = 0; i < n; i++) gf[i] *= uf[i];
+                float_row_to_bf16(gf, (uint16_t *)out + r * width + c, n);
+            }
         }
     }
 }
@@ -147,12 +160,16 @@ __attribute__((optimize("fp-contract=off"))) static void rope_row_bf16(uint16_t 
  * The attention input of a step, in one pass over the fused q|k|v projection (tokens, (heads +
  * 2 * kv_heads) * head_dim): q and k rotated in place, then each token's k and v rows copied into
  * the paged caches (num_blocks, block_size, kv_heads, head_dim) at its slot. cos and sin_signed
- * are (tokens, head_dim). Returns 1 when head_dim is beyond the row buffer.
+ * are (tokens, head_dim); the caches hold num_slots token rows. Returns 1 when head_dim is beyond
+ * the row buffer, 2 when a slot lies outside [0, num_slots); either way nothing is written.
  */
 int rope_and_store_kv(void *qkv, const void *cos, const void *sin_signed, const int64_t *slots, void *k_cache,
-                      void *v_cache, int64_t tokens, int num_heads, int num_kv_heads, int head_dim, int is_bf16,
-                      int num_threads) {
+                      void *v_cache, int64_t num_slots, int64_t tokens, int num_heads, int num_kv_heads,
+                      int head_dim, int is_bf16, int num_threads) {
     if (head_dim > 512 || head_dim % 2) return 1;
+    /* The slots come from the caller's block tables: one out of range would write past the pool. */
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 2;
     const int64_t width = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t kv_row = (int64_t)num_kv_heads * head_dim;
     const int64_t elem = is_bf16 ? 2 : 4;

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "paged_bounds.h"
 #include "vec_exp.h"
 
 
@@ -277,12 +278,23 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 }
 #endif
 
-/* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory. */
+/* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory, and
+ * PAGED_BAD_* (paged_bounds.h) when an input would send it out of bounds; nothing is read or
+ * written then. The caches hold num_blocks blocks, q and out num_rows rows, and each block table
+ * row bt_width entries. */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
-                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                           const int64_t *rows, int num_seqs, int num_heads, int num_kv_heads,
-                           int head_dim, int block_size, float scale, void *out, int num_threads) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 1;
+                           int64_t num_blocks, const int32_t *block_tables, int64_t bt_stride, int64_t bt_width,
+                           const int32_t *seq_lens, const int64_t *rows, int64_t num_rows, int num_seqs,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
+                           int num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || block_size < 1) return 1;
+    for (int i = 0; i < num_seqs; i++) {
+        const int64_t row = rows ? rows[i] : i;
+        if (row < 0 || row >= num_rows) return PAGED_BAD_ROW;
+        const int bad =
+            paged_check_context(block_tables + (int64_t)i * bt_stride, bt_width, seq_lens[i], block_size, num_blocks);
+        if (bad) return bad;
+    }
     int max_len = 1;
     for (int i = 0; i < num_seqs; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "paged_bounds.h"
 #include "vec_exp.h"
 
 #define VL 16       /* floats per vector */
@@ -311,11 +312,15 @@ static void attend_tile_rv(const void *q, int64_t q_stride, const void *k_cache,
 }
 
 /* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory. */
+/* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory, and
+ * PAGED_BAD_* (paged_bounds.h) when an input would send it out of bounds; nothing is read or
+ * written then. The caches hold num_blocks blocks, q and out num_rows rows, and the block tables
+ * bt_rows rows of bt_width entries. */
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
-                            const int32_t *block_tables, int64_t bt_stride, const int32_t *chunk_seq,
-                            const int64_t *q_start, const int32_t *q_len, const int32_t *seq_len, int num_chunks,
-                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
-                            int num_threads) {
+                            int64_t num_blocks, const int32_t *block_tables, int64_t bt_stride, int64_t bt_rows,
+                            int64_t bt_width, const int32_t *chunk_seq, const int64_t *q_start, const int32_t *q_len,
+                            const int32_t *seq_len, int64_t num_rows, int num_chunks, int num_heads,
+                            int num_kv_heads, int head_dim, int block_size, float scale, void *out, int num_threads) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || head_dim > MAX_HEAD_DIM ||
         head_dim % KG != 0 || block_size < 1 || (block_size & (block_size - 1)) != 0)
         return 1;
@@ -324,6 +329,14 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     const int tokens = tile_tokens(group);
     for (int c = 0; c < num_chunks; c++)
         if (q_len[c] < 1 || q_len[c] > seq_len[c]) return 1;
+    for (int c = 0; c < num_chunks; c++) {
+        if (chunk_seq[c] < 0 || chunk_seq[c] >= bt_rows) return PAGED_BAD_ROW;
+        if (q_start[c] < 0 || q_start[c] > num_rows - q_len[c]) return PAGED_BAD_ROW;
+        const int bad =
+            paged_check_context(block_tables + (int64_t)chunk_seq[c] * bt_stride, bt_width, seq_len[c], block_size,
+                                num_blocks);
+        if (bad) return bad;
+    }
     /* Where each chunk's tiles start in the list of work items. */
     int64_t *first_item = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
     if (first_item == NULL) return 2;

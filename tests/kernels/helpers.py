@@ -123,3 +123,16 @@ def at_one_and_two_threads(fn, *args) -> tuple[torch.Tensor, torch.Tensor]:
     finally:
         torch.set_num_threads(before)
     return one, two
+
+
+def poisoned_caches(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's caches as views into buffers with one NaN block either side: a kernel that reads
+    a block outside the pool (index -1 or num_blocks) returns NaN."""
+    views = []
+    for cache in (batch.k_cache, batch.v_cache):
+        buffer = torch.full(
+            (cache.shape[0] + 2, *cache.shape[1:]), float("nan"), dtype=cache.dtype, device=cache.device
+        )
+        buffer[1:-1] = cache
+        views.append(buffer[1:-1])
+    return views[0], views[1]

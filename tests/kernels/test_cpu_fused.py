@@ -47,6 +47,34 @@ def test_rms_norm_with_a_delta_updates_the_residual_stream_first(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [16385, 20000, 32768, 40000])
+def test_rms_norm_of_rows_wider_than_the_scratch_matches_the_torch_form(dtype, dim):
+    # bfloat16 rows pass through per-thread float32 scratch of cpu_fused.MAX_ROW floats; wider
+    # ones once overran it on the stack.
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(3, dim, generator=gen) * 3).to(dtype)
+    delta = torch.randn(3, dim, generator=gen).to(dtype)
+    weight = torch.rand(dim, generator=gen).to(dtype) + 0.5
+    stream = x.clone()
+
+    plain = cpu_fused.rms_norm(x.clone(), weight, 1e-5)
+    updated = cpu_fused.rms_norm(stream, weight, 1e-5, residual_delta=delta)
+
+    assert_close(plain, _torch_rms_norm(x, weight, 1e-5), dtype)
+    assert torch.equal(stream, x + delta)
+    assert_close(updated, _torch_rms_norm(x + delta, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_rows_wider_than_the_scratch_matches_the_torch_form(dtype):
+    width = 2 * cpu_fused.MAX_ROW + 3
+    gate_up = (torch.randn(2, 2 * width, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = gate_up.split(width, dim=-1)
+
+    assert_close(cpu_fused.silu_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 64, 257])
 def test_silu_mul_matches_the_torch_form(dtype, rows):
     gen = torch.Generator().manual_seed(rows)
@@ -103,3 +131,19 @@ def test_rope_and_store_kv_equals_the_eager_rotation_and_store_bit_for_bit(
     assert torch.equal(fused[:, :q_size].view(tokens, num_heads, head_dim), expected_q)
     assert torch.equal(caches[2], caches[0])
     assert torch.equal(caches[3], caches[1])
+
+
+@pytest.mark.parametrize("bad_slot", [-1, 8 * 16, 2**40])
+def test_rope_and_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(bad_slot):
+    num_heads, num_kv_heads, head_dim, tokens = 4, 2, 32, 5
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    cos, sin = torch.ones(tokens, head_dim), torch.zeros(tokens, head_dim)
+    slots = torch.tensor([0, 3, bad_slot, 7, 9])
+    k_cache, v_cache = torch.zeros(8, 16, num_kv_heads, head_dim), torch.zeros(8, 16, num_kv_heads, head_dim)
+    before = qkv.clone()
+
+    with pytest.raises(IndexError, match="slot"):
+        cpu_fused.rope_and_store_kv(qkv, cos, sin, slots, k_cache, v_cache, num_heads)
+
+    assert torch.equal(qkv, before)
+    assert not k_cache.any() and not v_cache.any()

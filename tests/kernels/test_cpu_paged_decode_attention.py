@@ -127,3 +127,87 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
             batch.seq_lens,
             0.1,
         )
+
+
+@pytest.mark.parametrize("bad_block", [-1, -(2**31), "num_blocks", 2**31 - 1])
+def test_a_block_table_entry_outside_the_pool_is_refused_before_anything_is_read(bad_block):
+    # given a decode whose context's second block names a block outside the pool
+    batch = _decode_batch([40, 20], group=3, dtype=torch.float32)
+    num_blocks = batch.k_cache.shape[0]
+    tables = batch.block_tables.clone()
+    tables[0, 1] = num_blocks if bad_block == "num_blocks" else bad_block
+    out = torch.full(batch.q.shape, 7.0)
+
+    # when the kernel is called, then it raises and writes nothing
+    with pytest.raises(IndexError, match="block table entry"):
+        cpu_kernel.paged_decode_attention_cpu(
+            batch.q, batch.k_cache, batch.v_cache, tables, batch.seq_lens, 0.1, out=out
+        )
+    assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+def test_entries_past_a_context_are_not_read_so_they_may_hold_anything():
+    batch = _decode_batch([40, 20], group=3, dtype=torch.float32)
+    width = batch.block_tables.shape[1]
+    tables = torch.cat([batch.block_tables, torch.full((2, 2), -1, dtype=torch.int32)], dim=1)
+    tables[1, 2:width] = 10**6  # sequence 1 (20 tokens) reads its first two entries only
+
+    out = cpu_kernel.paged_decode_attention_cpu(
+        batch.q, batch.k_cache, batch.v_cache, tables, batch.seq_lens, 0.125
+    )
+
+    assert_close(out, reference_attention(batch, 0.125), torch.float32)
+    # and one token more than sequence 1's first two entries cover is refused
+    with pytest.raises(IndexError, match="block table entry"):
+        cpu_kernel.paged_decode_attention_cpu(
+            batch.q, batch.k_cache, batch.v_cache, tables, torch.tensor([40, 33], dtype=torch.int32), 0.1
+        )
+
+
+@pytest.mark.parametrize("seq_len", [4 * 16 + 1, 10**6, -1])
+def test_a_context_longer_than_its_block_table_row_or_negative_is_refused(seq_len):
+    batch = _decode_batch([40, 64], group=3, dtype=torch.float32)  # rows of 4 entries
+    assert batch.block_tables.shape[1] == 4
+    out = torch.full(batch.q.shape, 7.0)
+
+    with pytest.raises(ValueError, match="context length"):
+        cpu_kernel.paged_decode_attention_cpu(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            torch.tensor([40, seq_len], dtype=torch.int32),
+            0.1,
+            out=out,
+        )
+    assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+@pytest.mark.parametrize("bad_row", [-1, 8, 2**40])
+def test_a_row_outside_q_is_refused(bad_row):
+    batch = _decode_batch([20, 30], group=3, dtype=torch.float32)
+    q = torch.zeros(8, *batch.q.shape[1:])
+    q[[2, 5]] = batch.q
+    out = torch.full(q.shape, 7.0)
+
+    with pytest.raises(IndexError, match="query row"):
+        cpu_kernel.paged_decode_attention_cpu(
+            q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            0.1,
+            rows=torch.tensor([2, bad_row]),
+            out=out,
+        )
+    assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+def test_a_cache_of_another_head_size_is_refused():
+    batch = _decode_batch([20, 30], group=3, dtype=torch.float32, head_dim=64)
+    small = batch.k_cache[..., :32].contiguous()
+    with pytest.raises(ValueError, match="head_dim"):
+        cpu_kernel.paged_decode_attention_cpu(
+            batch.q, small, small.clone(), batch.block_tables, batch.seq_lens, 0.1
+        )

@@ -131,3 +131,37 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
         )
     with pytest.raises(ValueError, match="query_len <= seq_len"):
         cpu_prefill.ChunkTable([0], [0], [5], [4])
+
+
+@pytest.mark.parametrize("bad_block", [-1, -(2**31), "num_blocks", 2**31 - 1])
+def test_a_block_table_entry_outside_the_pool_is_refused_before_anything_is_read(bad_block):
+    # given a chunk whose context's last block names a block outside the pool
+    batch = _batch([20, 30], [20, 60], group=3)
+    tables = batch.block_tables.clone()
+    tables[1, 3] = batch.k_cache.shape[0] if bad_block == "num_blocks" else bad_block
+    out = torch.full(batch.q.shape, 7.0)
+
+    with pytest.raises(IndexError, match="block table entry"):
+        cpu_prefill.paged_prefill_attention_cpu(
+            batch.q, batch.k_cache, batch.v_cache, tables, _chunks(batch), 0.1, out=out
+        )
+    assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+def test_a_chunk_context_longer_than_its_block_table_row_is_refused():
+    batch = _batch([20, 30], [20, 60], group=3)  # rows of 4 entries: 64 tokens at most
+    chunks = cpu_prefill.ChunkTable([0, 1], [0, 20], [20, 30], [20, 65])
+    out = torch.full(batch.q.shape, 7.0)
+
+    with pytest.raises(ValueError, match="context length"):
+        cpu_prefill.paged_prefill_attention_cpu(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, chunks, 0.1, out=out
+        )
+    assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+def test_a_chunk_naming_a_negative_sequence_or_row_is_refused():
+    with pytest.raises(ValueError, match="negative"):
+        cpu_prefill.ChunkTable([-1], [0], [5], [5])
+    with pytest.raises(ValueError, match="negative"):
+        cpu_prefill.ChunkTable([0], [-3], [5], [5])

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from kernels.paged_decode_attention import paged_decode_attention
-from tests.kernels.helpers import DEVICES, DTYPES, assert_close, make_paged_batch, reference_attention
+from tests.kernels.helpers import (
+    DEVICES,
+    DTYPES,
+    assert_close,
+    make_paged_batch,
+    poisoned_caches,
+    reference_attention,
+)
 
 # Context lengths 1, 15, 63 and 300: a lone token, partial last blocks (15 % 16, 63 % 16, 300 % 16).
 SEQ_LENS = [1, 15, 63, 300]
@@ -110,3 +117,24 @@ def test_decode_refuses_heads_that_do_not_divide():
             1.0,
             split_size=0,
         )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", ["-1", "num_blocks", "past the row"])
+def test_a_bad_block_table_reads_nothing_outside_the_caches(device, bad):
+    # given caches flanked by NaN blocks, and a table entry (or a context) that points outside them
+    batch = _decode_batch([40, 20], group=2, dtype=torch.float32, device=device)
+    k_cache, v_cache = poisoned_caches(batch)
+    num_blocks, width = k_cache.shape[0], batch.block_tables.shape[1]
+    wide = torch.full((2, width + 1), num_blocks, dtype=torch.int32, device=device)
+    wide[:, :width] = batch.block_tables
+    tables, seq_lens = wide[:, :width], batch.seq_lens.clone()
+    if bad == "past the row":
+        seq_lens[0] = width * 16 + 5  # its next entries lie in the wider tensor, naming a NaN block
+    else:
+        tables[1, 0] = -1 if bad == "-1" else num_blocks
+
+    out = paged_decode_attention(batch.q, k_cache, v_cache, seq_lens, tables, 0.125)
+
+    # then the masked keys read as zeros: the output is finite
+    assert torch.isfinite(out).all()

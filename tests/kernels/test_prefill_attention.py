@@ -5,7 +5,14 @@ import torch
 
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
-from tests.kernels.helpers import DEVICES, DTYPES, assert_close, make_paged_batch, reference_attention
+from tests.kernels.helpers import (
+    DEVICES,
+    DTYPES,
+    assert_close,
+    make_paged_batch,
+    poisoned_caches,
+    reference_attention,
+)
 
 # (query_len, seq_len) per sequence of one mixed step:
 #   a one-token prompt, a fresh 15-token prompt, a 63-token chunk after 20 cached tokens (prefix hit
@@ -107,3 +114,22 @@ def test_prefill_refuses_tiles_smaller_than_a_dot_and_mismatched_metadata():
         )
     with pytest.raises(ValueError, match="query_start_loc"):
         prefill_attention(q, cache, cache, torch.tensor([0, 2, 4], dtype=torch.int32), seq_lens, tables, 1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", ["-1", "num_blocks", "past the row"])
+def test_a_bad_block_table_reads_nothing_outside_the_caches(device, bad):
+    batch = _batch([(20, 20), (30, 60)], group=2, dtype=torch.float32, device=device)
+    k_cache, v_cache = poisoned_caches(batch)
+    num_blocks, width = k_cache.shape[0], batch.block_tables.shape[1]
+    wide = torch.full((2, width + 1), num_blocks, dtype=torch.int32, device=device)
+    wide[:, :width] = batch.block_tables
+    tables, seq_lens = wide[:, :width], batch.seq_lens.clone()
+    if bad == "past the row":
+        seq_lens[1] = width * 16 + 5
+    else:
+        tables[1, 1] = -1 if bad == "-1" else num_blocks
+
+    out = prefill_attention(batch.q, k_cache, v_cache, batch.query_start_loc, seq_lens, tables, 0.125)
+
+    assert torch.isfinite(out).all()

@@ -86,3 +86,22 @@ def test_mismatched_dtypes_and_shapes_are_refused():
         store_kvcache(k, k, cache, cache.clone(), torch.arange(3))
     with pytest.raises(TypeError, match="slot_mapping"):
         store_kvcache(k, k, cache, cache.clone(), slots.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slots_past_the_cache_write_nothing_beyond_it(device):
+    # given caches of 4 blocks that are views into larger buffers, and tokens whose slots run past them
+    num_blocks, block_size = 4, 16
+    k_buffer = torch.zeros(num_blocks + 2, block_size, 2, 32, device=device)
+    v_buffer = torch.zeros_like(k_buffer)
+    k = torch.randn(3, 2, 32, device=device)
+    v = torch.randn(3, 2, 32, device=device)
+    past = num_blocks * block_size
+    slot_mapping = torch.tensor([5, past, past + block_size + 1], device=device)
+
+    store_kvcache(k, v, k_buffer[:num_blocks], v_buffer[:num_blocks], slot_mapping)
+
+    # then the in-range token is stored and the memory past the caches is untouched
+    assert torch.equal(k_buffer.view(-1, 2, 32)[5], k[0])
+    assert torch.equal(v_buffer.view(-1, 2, 32)[5], v[0])
+    assert not k_buffer[num_blocks:].any() and not v_buffer[num_blocks:].any()
