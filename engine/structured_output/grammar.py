@@ -6,8 +6,10 @@ names the problem; the engine calls `build_grammar` and compiles the result for 
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from engine.structured_output.spec import StructuredOutputsError, spec_key
@@ -63,11 +65,22 @@ def _reason(exc: Exception) -> str:
     return text.strip() or type(exc).__name__
 
 
-@functools.lru_cache(maxsize=512)
-def _check(key: str) -> None:
-    build_grammar(json.loads(key))
+# Digests of specs whose grammar was built, most recent last: the cache holds 32 bytes per spec,
+# never the spec itself (512 specs of the largest size would pin tens of megabytes).
+_CHECKED_MAX = 512
+_checked: OrderedDict[bytes, None] = OrderedDict()
+_checked_lock = threading.Lock()
 
 
 def grammar_check(spec: dict[str, Any]) -> None:
     """Raise StructuredOutputsError when the spec's grammar cannot be built (cached per spec)."""
-    _check(spec_key(spec))
+    digest = hashlib.sha256(spec_key(spec).encode()).digest()
+    with _checked_lock:
+        if digest in _checked:
+            _checked.move_to_end(digest)
+            return
+    build_grammar(spec)
+    with _checked_lock:
+        _checked[digest] = None
+        while len(_checked) > _CHECKED_MAX:
+            _checked.popitem(last=False)

@@ -1,29 +1,33 @@
 """Grammars compiled for the engine's tokenizer, off the step loop, and a matcher per sequence.
 
-A request with a constraint waits (outside the scheduler) until its grammar is compiled; the
-compile runs in a thread of its own (xgrammar releases the GIL while it compiles), so a slow schema
-delays only its own request. Compiled grammars are cached per spec, least recently used first out.
-Each step, the constrained sequences' matchers fill one int32 bitmask row each (bit j of word w:
-token 32 * w + j is allowed); free rows allow everything, and the sampler masks the batch at once.
+A request with a constraint waits (outside the scheduler) until its grammar is compiled, in a compile
+process of the replica's pool (engine.structured_output.compiler: bounded per replica and per tenant,
+with a timeout; a compile nobody waits for any more is killed). Its deadline applies while it waits.
+Compiled grammars are cached per tenant (and cache salt), so one tenant cannot tell by timing which
+schemas another used, and bounded by bytes, least recently used first out.
+
+Each step, the constrained sequences' masks are filled together by xgrammar's batch matcher (its own
+threads, the GIL released), in a thread of ours while the model's forward runs: one int32 row per
+sampled sequence (bit j of word w: token 32 * w + j is allowed), free rows allowing everything.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from engine.structured_output.grammar import build_grammar
+from engine.config import StructuredOutputConfig
+from engine.protocol import ErrorCode
+from engine.structured_output.compiler import CompileJob, CompilePool, GrammarCompileError
 from engine.structured_output.spec import spec_key
-
-# Compiled grammars kept per engine: a JSON schema's is typically tens of KiB to a few MiB.
-DEFAULT_CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
@@ -33,65 +37,110 @@ class StructuredOutputManager:
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int],
-        cache_size: int = DEFAULT_CACHE_SIZE,
+        config: StructuredOutputConfig | None = None,
     ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
+        self.config = config or StructuredOutputConfig()
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
-        # One compiler thread: compiles are rare next to steps, and the engine's cores are the
-        # forward's. Our cache, not xgrammar's: it also holds compiles in flight and their errors.
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._cache: collections.OrderedDict[str, Future] = collections.OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
-        # Seconds per compile, newest last (the benchmark reads them).
-        self.compile_seconds: collections.deque[float] = collections.deque(maxlen=4096)
+        self.pool = CompilePool(self.info, self.config)
+        threads: int | Literal["auto"] = self.config.mask_threads or "auto"
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        # (namespace, spec key) -> its job, in flight or done; done ones count their bytes.
+        self._cache: collections.OrderedDict[tuple[str, str], CompileJob] = collections.OrderedDict()
+        self.cache_bytes = 0
+        # Reentrant: a job that finished before its done callback was added runs it at once.
+        self._lock = threading.RLock()
         self.num_cache_hits = 0
+        self.num_mask_fills = 0  # batched fills (one per step with a constrained sequence)
 
-    def grammar(self, spec: dict[str, Any]) -> Future:
-        """The compiled grammar of a canonical spec, as a future (done at once on a cache hit);
-        its exception is a StructuredOutputsError when the spec cannot be compiled."""
-        key = spec_key(spec)
+    @property
+    def compile_seconds(self) -> collections.deque[float]:
+        return self.pool.compile_seconds
+
+    def grammar(self, spec: dict[str, Any], *, tenant: str = "", cache_salt: str | None = None) -> CompileJob:
+        """The compile job of a canonical spec for this tenant (its future done at once on a cache
+        hit; its exception a GrammarCompileError). The caller holds it until `release`."""
+        key = (f"{tenant}\x00{cache_salt or ''}", spec_key(spec))
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            job = self._cache.get(key)
+            if job is not None:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-                return future
-            future = self._executor.submit(self._compile, spec)
-            self._cache[key] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)  # a waiting request holds its own future
-            return future
+            else:
+                job = self.pool.submit(key, spec, tenant)
+                self._cache[key] = job
+                job.future.add_done_callback(functools.partial(self._on_done, job))
+            job.waiters += 1
+            return job
 
-    def _compile(self, spec: dict[str, Any]) -> Any:
-        started = time.perf_counter()
-        compiled = self.compiler.compile_grammar(build_grammar(spec))
-        self.compile_seconds.append(time.perf_counter() - started)
-        return compiled
+    def release(self, job: CompileJob) -> None:
+        """A request stops waiting for the job: a compile nobody waits for is cancelled (killed)."""
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters or job.future.done():
+                return
+            if self._cache.get(job.key) is job:
+                del self._cache[job.key]
+        self.pool.cancel(job)
+
+    def _on_done(self, job: CompileJob, _: Future) -> None:
+        self._done(job)
+
+    def _done(self, job: CompileJob) -> None:
+        if job.future.cancelled():
+            return
+        error = job.future.exception()
+        with self._lock:
+            if self._cache.get(job.key) is not job:
+                return
+            job.nbytes = (
+                len(job.key[1]) + len(job.key[0]) + (0 if error else job.future.result().memory_size_bytes)
+            )
+            self.cache_bytes += job.nbytes
+            while self.cache_bytes > self.config.cache_bytes and self._cache:
+                oldest = next((j for j in self._cache.values() if j.future.done()), None)
+                if oldest is None:
+                    break
+                del self._cache[oldest.key]
+                self.cache_bytes -= oldest.nbytes
 
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
 
     def bitmask(self, matchers: Sequence[Any | None]) -> torch.Tensor | None:
         """(len(matchers), num_words) int32 of allowed tokens, all bits set for a None (a free
-        row); None when no row is constrained."""
-        if all(m is None for m in matchers):
+        row); None when no row is constrained. One batched fill for every constrained row."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
             return None
         mask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
-        for i, m in enumerate(matchers):
-            if m is not None:
-                m.fill_next_token_bitmask(mask, i)
+        self._batch.batch_fill_next_token_bitmask([m for m in matchers if m is not None], mask, rows)
+        self.num_mask_fills += 1
         return mask
 
+    def start_bitmask(self, matchers: Sequence[Any | None]) -> Future | None:
+        """`bitmask` in the mask thread (the caller runs the forward meanwhile); None when no row
+        is constrained."""
+        if all(m is None for m in matchers):
+            return None
+        return self._filler.submit(self.bitmask, list(matchers))
+
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
+        self._filler.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(slots=True)
+class WaitingGrammar:
+    job: CompileJob
+    deadline: float | None  # the request's queue deadline (unix time), which applies while it waits
 
 
 class GrammarRequests:
@@ -99,18 +148,42 @@ class GrammarRequests:
     matcher of each constrained sequence. The manager is built on the first constrained request,
     so an engine that never sees one never loads the tokenizer's grammar tables."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        config: StructuredOutputConfig | None = None,
+    ) -> None:
         self._args = (tokenizer, vocab_size, list(eos_token_ids))
+        self.config = config or StructuredOutputConfig()
         self._manager: StructuredOutputManager | None = None
-        self.waiting: dict[str, Future] = {}  # request_id -> its grammar, still compiling
+        self.waiting: dict[str, WaitingGrammar] = {}  # request_id -> its grammar, still compiling
         self.matchers: dict[int, Any] = {}  # seq_id -> matcher
 
     @property
     def manager(self) -> StructuredOutputManager:
         if self._manager is None:
             tokenizer, vocab_size, eos = self._args
-            self._manager = StructuredOutputManager(tokenizer, vocab_size=vocab_size, eos_token_ids=eos)
+            self._manager = StructuredOutputManager(
+                tokenizer, vocab_size=vocab_size, eos_token_ids=eos, config=self.config
+            )
         return self._manager
+
+    def check_request_cost(self, job: CompileJob, n: int) -> None:
+        """Refuse (grammar_too_costly) a request whose n masks per step would together take more
+        CPU time than max_request_mask_ms: each sequence pays a token per step, and the step waits
+        for every mask."""
+        limit = self.config.max_request_mask_ms
+        if job.mask_ms * n > limit:
+            raise GrammarCompileError(
+                f"The structured output grammar is too costly to enforce for {n} sequences: its token"
+                f" masks take up to {job.mask_ms:.1f} ms of CPU time each, {job.mask_ms * n:.0f} ms per"
+                f" step for this request, above this engine's limit of {limit:g} ms"
+                " (max_request_mask_ms). Lower n, or bound strings less widely.",
+                ErrorCode.GRAMMAR_TOO_COSTLY,
+            )
 
     def bind(self, seq_ids: Sequence[int], compiled: Any) -> None:
         for seq_id in seq_ids:
@@ -118,18 +191,38 @@ class GrammarRequests:
 
     def done(self) -> list[str]:
         """Waiting requests whose grammar is compiled (or failed), in arrival order."""
-        return [rid for rid, future in self.waiting.items() if future.done()]
+        return [rid for rid, w in self.waiting.items() if w.job.future.done()]
+
+    def expired(self, now: float) -> list[str]:
+        """Waiting requests whose deadline has passed, their grammar not done."""
+        return [
+            rid
+            for rid, w in self.waiting.items()
+            if w.deadline is not None and now >= w.deadline and not w.job.future.done()
+        ]
+
+    def take(self, request_id: str) -> CompileJob | None:
+        """Stop waiting for a request's grammar (its compile cancelled when nobody else waits)."""
+        waiting = self.waiting.pop(request_id, None)
+        if waiting is None:
+            return None
+        self.manager.release(waiting.job)
+        return waiting.job
 
     def wait(self, timeout: float) -> None:
         """Block until a waiting grammar is done or `timeout` passes: an engine with nothing else to
         run must not spin."""
         if self.waiting:
-            wait_futures(list(self.waiting.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+            futures = [w.job.future for w in self.waiting.values()]
+            wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def bitmask(self, seqs: Sequence[Any]) -> torch.Tensor | None:
+    def start_bitmask(self, seqs: Sequence[Any]) -> Callable[[], torch.Tensor | None] | None:
+        """Start filling the masks of a step's sampled sequences; returns the join (None when no
+        sequence is constrained)."""
         if not self.matchers:
             return None
-        return self.manager.bitmask([self.matchers.get(s.seq_id) for s in seqs])
+        future = self.manager.start_bitmask([self.matchers.get(s.seq_id) for s in seqs])
+        return None if future is None else future.result
 
     def accept(self, seq_id: int, token: int) -> tuple[bool, bool]:
         """(accepted, terminated) of a sampled token; (True, False) for a free sequence."""

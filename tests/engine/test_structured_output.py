@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 
 import jsonschema
@@ -143,15 +142,9 @@ def test_a_malformed_structured_outputs_is_refused_by_the_sampling_params() -> N
 
 def test_a_grammar_compiles_off_the_step_loop_while_other_requests_run(tiny_llm: LLM) -> None:
     engine = tiny_llm.engine
-    manager = engine.grammars.manager
-    gate = threading.Event()
-    compile_grammar = manager._compile
-
-    def held_compile(spec):
-        assert gate.wait(timeout=60)
-        return compile_grammar(spec)
-
-    manager._compile = held_compile
+    pool = engine.grammars.manager.pool
+    with pool._cond:  # tenant "busy" holds every compile slot it may: its grammar waits
+        pool._running["busy"] += 10**6
     try:
         engine.add_request("free", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6))
         schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2}
@@ -159,6 +152,7 @@ def test_a_grammar_compiles_off_the_step_loop_while_other_requests_run(tiny_llm:
             "slow",
             [5, 6, 7],
             SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"json": schema}),
+            tenant="busy",
         )
         finished: dict[str, str] = {}
         while "free" not in finished:  # the held compile does not keep the free request waiting
@@ -166,7 +160,9 @@ def test_a_grammar_compiles_off_the_step_loop_while_other_requests_run(tiny_llm:
                 if out.finished:
                     finished[out.request_id] = out.outputs[0].text
         assert "slow" in engine.grammars.waiting
-        gate.set()
+        with pool._cond:
+            pool._running["busy"] -= 10**6
+            pool._cond.notify_all()
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
@@ -174,47 +170,34 @@ def test_a_grammar_compiles_off_the_step_loop_while_other_requests_run(tiny_llm:
         assert finished["slow"].startswith("[")
         _validate(schema, finished["slow"])
     finally:
-        manager._compile = compile_grammar
-        gate.set()
+        with pool._cond:
+            if pool._running["busy"] >= 10**6:
+                pool._running["busy"] -= 10**6
+            pool._cond.notify_all()
 
 
 def test_a_request_aborted_while_its_grammar_compiles_finishes_aborted(tiny_llm: LLM) -> None:
     engine = tiny_llm.engine
-    manager = engine.grammars.manager
-    gate = threading.Event()
-    compile_grammar = manager._compile
-    manager._compile = lambda spec: (gate.wait(timeout=60), compile_grammar(spec))[1]
-    try:
-        spec = {"regex": "[xyz]{4}"}
-        engine.add_request("gone", [3, 4], SamplingParams(structured_outputs=spec))
-        engine.abort_request("gone")
-        outs = engine.step()
-        assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [
-            ("gone", True, "abort")
-        ]
-        assert not engine.has_unfinished_requests()
-    finally:
-        manager._compile = compile_grammar
-        gate.set()
+    spec = {"regex": "[xyz]{4}w"}
+    engine.add_request("gone", [3, 4], SamplingParams(structured_outputs=spec))
+    engine.abort_request("gone")
+    outs = engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("gone", True, "abort")]
+    assert not engine.has_unfinished_requests()
+    assert not engine.grammars.waiting
 
 
-def test_grammars_are_compiled_once_per_spec_and_the_cache_is_bounded(tiny_llm: LLM) -> None:
+def test_grammars_are_compiled_once_per_spec_and_tenant(tiny_llm: LLM) -> None:
     manager = tiny_llm.engine.grammars.manager
     spec = {"regex": "(ab|cd){1,3}", "disable_any_whitespace": True}
-    first = manager.grammar(spec)
-    first.result(timeout=60)
+    first = manager.grammar(spec, tenant="a")
+    first.future.result(timeout=60)
     compiles, hits = len(manager.compile_seconds), manager.num_cache_hits
-    assert manager.grammar(dict(spec)) is first
+    again = manager.grammar(dict(spec), tenant="a")
+    assert again is first
     assert (len(manager.compile_seconds), manager.num_cache_hits) == (compiles, hits + 1)
-    size = manager._cache_size
-    manager._cache_size = 2
-    try:
-        for i in range(3):
-            manager.grammar({"regex": f"q{i}", "disable_any_whitespace": True}).result(timeout=60)
-        assert len(manager._cache) == 2
-        assert manager.grammar(spec) is not first  # evicted, compiled again
-    finally:
-        manager._cache_size = size
+    manager.release(first)
+    manager.release(again)
 
 
 def test_logit_bias_forces_and_forbids_tokens(tiny_llm: LLM) -> None:
@@ -230,8 +213,12 @@ def test_logit_bias_forces_and_forbids_tokens(tiny_llm: LLM) -> None:
 def test_logit_bias_values_and_ids_are_checked() -> None:
     with pytest.raises(SamplingParamsError, match="logit_bias must be in"):
         SamplingParams(logit_bias={"5": 101})
-    with pytest.raises(SamplingParamsError, match="logit_bias must be an integer"):
+    with pytest.raises(SamplingParamsError, match="logit_bias keys must be token ids"):
         SamplingParams(logit_bias={"x": 1})
+    with pytest.raises(SamplingParamsError, match="logit_bias keys must be token ids"):
+        SamplingParams(logit_bias={"²": 1})  # a digit to str.isdigit(), not to int()
+    with pytest.raises(SamplingParamsError, match="logit_bias must be an integer"):
+        SamplingParams(logit_bias={1.5: 1})
     assert SamplingParams.from_dict(SamplingParams(logit_bias={5: 2}).to_dict()).logit_bias == {5: 2.0}
 
 
