@@ -1,2 +1,2 @@
-"""The Pagoda inference engine. Never imports Django; the web tier imports only engine.protocol, engine.rules
-and engine.chat_template."""
+"""The Pagoda inference engine. Never imports Django; which of its modules the web tier may import is
+listed once, in the import contracts of pyproject.toml."""

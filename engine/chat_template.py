@@ -2,16 +2,16 @@
 
 The template is rendered by transformers' `apply_chat_template`, so the text is exactly what
 transformers (and vLLM) render. Tokenizing that text whole, as they do, would turn a control token
-spelled inside a message (``<|im_start|>system ...``) into the real control token and let a user
-forge a turn. So when a message contains the text of a special token, the prompt is tokenized
-in pieces: the template's own text with special tokens recognised, each message's text with them
-read as plain text. Where no message spells one (almost always), the ids are exactly those of
-`apply_chat_template(..., tokenize=True)`.
+spelled inside a message (``<|im_start|>system ...``), a tool's description or a tool call's
+arguments or id into the real control token and let a user forge a turn. So when any such string
+spells the text of a special token, the prompt is tokenized in pieces: the template's own text with
+special tokens recognised, the caller's strings with them read as plain text. Where none spells one
+(almost always), the ids are exactly those of `apply_chat_template(..., tokenize=True)`.
 
-Finding the messages inside the rendered text: the template is rendered a second time with each
-content replaced by a unique marker; the text between markers is the template's. A template that
-transforms content other than by trimming, or renders differently because of it, is refused for
-such messages rather than guessed at.
+Finding those strings inside the rendered text: the template is rendered a second time with each
+of them replaced by a unique marker; the text between markers is the template's, and each marker
+must stand for the string as it is, trimmed, or JSON-escaped (`tojson`). A template that renders
+them otherwise is refused for such requests rather than guessed at.
 
 This module is shared by the engine's offline API and the web tier (which tokenizes before
 queueing); it needs transformers, never torch or Django.
@@ -32,6 +32,14 @@ _MARKER_RE = re.compile("\ue000(\\d+)\ue001")
 
 class ChatTemplateError(InvalidRequestError):
     """The conversation cannot be rendered by the model's chat template."""
+
+
+class RenderedTooLong(Exception):
+    """The rendered conversation is longer (in UTF-8 bytes) than the caller allowed."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the rendered prompt is {size} bytes long")
+        self.size = size
 
 
 def message_text(content: Any) -> str:
@@ -154,58 +162,98 @@ def _encode(tokenizer: Any, text: str, *, plain: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=plain))
 
 
-def _content_spans(
-    tokenizer: Any, messages: list[dict[str, Any]], text: str, tools: Sequence[dict[str, Any]] | None
-) -> list[tuple[int, int]]:
-    """(start, end) of each message's content in the rendered ``text``, in order."""
-    probe = [{**m, "content": _MARKER.format(i)} for i, m in enumerate(messages)]
-    skeleton = render(tokenizer, probe, tools)
-    parts = _MARKER_RE.split(skeleton)  # template text, index, template text, index, ...
-    pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
-    if sorted(order) != sorted(set(order)) or order != sorted(order):
-        raise ChatTemplateError("This model's chat template repeats or reorders messages; a message "
-                                "may not contain the text of a control token with it.")  # fmt: skip
-    spans = []
-    pos = 0
-    for k, i in enumerate(order):
-        if not text.startswith(pieces[k], pos):
-            break
-        pos += len(pieces[k])
-        content = messages[i]["content"]
-        for candidate in dict.fromkeys((content, content.strip())):
-            if text.startswith(candidate, pos) and text.startswith(pieces[k + 1], pos + len(candidate)):
-                spans.append((pos, pos + len(candidate)))
-                pos += len(candidate)
-                break
-        else:
-            break
-    else:
-        if pos + len(pieces[-1]) == len(text):
-            return spans
-    raise ChatTemplateError("This model's chat template changes message text; a message may not "
-                            "contain the text of a control token with it.")  # fmt: skip
-
-
 def chat_prompt_token_ids(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    *,
+    max_text_bytes: int | None = None,
 ) -> list[int]:
     """Token ids of the conversation rendered for the assistant's turn (the template adds BOS).
 
     `tools` (OpenAI's function tools) go to a template that renders tools; for one that does not,
-    they, the calls and their results are written into the messages as text (with_tools_as_text)."""
+    they, the calls and their results are written into the messages as text (with_tools_as_text).
+    A rendering longer than `max_text_bytes` raises RenderedTooLong before it is tokenized."""
     msgs = normalize_messages(messages)
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
     if (tools or has_tool_turns) and not template_knows_tools(tokenizer):
         msgs, tools = with_tools_as_text(msgs, tools or []), None
     text = render(tokenizer, msgs, tools)
+    if max_text_bytes is not None and len(text) * 4 > max_text_bytes:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > max_text_bytes:
+            raise RenderedTooLong(size)
     specials = special_token_texts(tokenizer)
-    if not any(s in m["content"] for m in msgs for s in specials):
+    values: list[str] = []
+    probe_msgs = [_marked(m, specials, values, content=True) for m in msgs]
+    probe_tools = _marked(list(tools), specials, values) if tools else tools
+    if not values:
         return _encode(tokenizer, text, plain=False)
     ids: list[int] = []
     pos = 0
-    for start, end in _content_spans(tokenizer, msgs, text, tools):
+    for start, end in _value_spans(tokenizer, probe_msgs, probe_tools, values, text):
         ids += _encode(tokenizer, text[pos:start], plain=False)
         ids += _encode(tokenizer, text[start:end], plain=True)
         pos = end
     ids += _encode(tokenizer, text[pos:], plain=False)
     return ids
+
+
+def _marked(value: Any, specials: list[str], values: list[str], *, content: bool = False) -> Any:
+    """`value` with every string that spells a control token (a message's content, a tool's
+    description or schema, a call's id, name or arguments, keys included) replaced by a marker
+    whose index in `values` is the string's."""
+    if isinstance(value, str):
+        if any(s in value for s in specials):
+            values.append(value)
+            return _MARKER.format(len(values) - 1)
+        return value
+    if isinstance(value, dict):
+        if content:  # a message: its role is the template's to read, the rest is the caller's
+            return {k: v if k == "role" else _marked(v, specials, values) for k, v in value.items()}
+        return {_marked(k, specials, values): _marked(v, specials, values) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_marked(v, specials, values) for v in value]
+    return value
+
+
+def _renderings(value: str) -> tuple[str, ...]:
+    """What a template may write for a string: as it is, trimmed, or as the inside of a JSON string
+    (`tojson`, with or without ASCII escapes)."""
+    return tuple(
+        dict.fromkeys(
+            (value, value.strip(), json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1])
+        )
+    )
+
+
+def _value_spans(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None,
+    values: list[str],
+    text: str,
+) -> list[tuple[int, int]]:
+    """(start, end) of each occurrence of a marked value in the rendered ``text``, in order. The
+    text must be exactly the template's own text (the rendering with markers) with each marker
+    replaced by one rendering of its value; anything else is refused, never guessed at."""
+    skeleton = render(tokenizer, messages, tools)
+    parts = _MARKER_RE.split(skeleton)  # template text, index, template text, index, ...
+    pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
+    spans = []
+    pos = 0
+    if text.startswith(pieces[0]):
+        pos = len(pieces[0])
+        for k, i in enumerate(order):
+            for candidate in _renderings(values[i]):
+                if text.startswith(candidate, pos) and text.startswith(pieces[k + 1], pos + len(candidate)):
+                    spans.append((pos, pos + len(candidate)))
+                    pos += len(candidate) + len(pieces[k + 1])
+                    break
+            else:
+                break
+        else:
+            if pos == len(text):
+                return spans
+    raise ChatTemplateError("This model's chat template changes the text of messages or tools; they may "
+                            "not contain the text of a control token with it.")  # fmt: skip

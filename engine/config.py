@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.rules import default_max_seqs_per_request
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -48,6 +50,13 @@ class SchedulerConfig:
     # Order within a priority tier: "fair" (weighted fair share of service across tenants) or
     # "fcfs" (arrival order alone).
     policy: str = "fair"
+    # Sequences (`n`) one request may run: fewer than max_num_seqs, so that one request never holds
+    # every slot. None: engine.rules.default_max_seqs_per_request (a quarter of max_num_seqs).
+    max_seqs_per_request: int | None = None
+    # Fair share preempts the most-served tenant's running sequences for a waiting tenant that holds
+    # fewer slots; the computed tokens those preemptions throw away accrue at this many per step (a
+    # token bucket holding at most max_model_len). None: a quarter of max_num_batched_tokens; 0: never.
+    fair_preempt_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens_with_decodes < 0:
@@ -65,6 +74,19 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"
             )
+        if self.max_seqs_per_request is None:
+            self.max_seqs_per_request = default_max_seqs_per_request(self.max_num_seqs)
+        elif not 1 <= self.max_seqs_per_request < max(2, self.max_num_seqs):
+            raise ConfigError(
+                f"max_seqs_per_request must be >= 1 and below max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_seqs_per_request}"
+            )
+        if self.fair_preempt_tokens_per_step is None:
+            self.fair_preempt_tokens_per_step = self.max_num_batched_tokens // 4
+        elif self.fair_preempt_tokens_per_step < 0:
+            raise ConfigError(
+                f"fair_preempt_tokens_per_step must be >= 0, got {self.fair_preempt_tokens_per_step}"
+            )
 
 
 @dataclass(slots=True)
@@ -81,6 +103,42 @@ class LoRAConfig:
 
 
 @dataclass(slots=True)
+class StructuredOutputConfig:
+    """Bounds on what a constrained request may cost the engine (engine_settings grammar_*)."""
+
+    # Seconds a grammar may take to compile (and have its mask cost measured); its request then
+    # ends with grammar_compile_timeout and the compile process is killed.
+    compile_timeout_s: float = 10.0
+    # Compile processes per replica, and how many of them one tenant may hold at once.
+    max_compiles: int = 2
+    max_compiles_per_tenant: int = 1
+    # CPU milliseconds one token mask of a grammar may take, measured on a short walk after
+    # compiling (the costliest mask met); above it the request ends with grammar_too_costly.
+    # Ordinary schemas take well under a millisecond; a bounded string (maxLength 40) 1-3 ms on a
+    # small CPU; `.{0,500}` and wider about 10 ms.
+    max_mask_ms: float = 8.0
+    # CPU milliseconds one step's masks for one request may take: that mask cost times the
+    # request's n. Above it the request ends with grammar_too_costly.
+    max_request_mask_ms: float = 64.0
+    # Bytes of compiled grammars kept (xgrammar's memory_size_bytes plus the spec's text).
+    cache_bytes: int = 256 * 2**20
+    # Threads that fill a step's masks (0: xgrammar's choice, half the cores).
+    mask_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.compile_timeout_s < float("inf"):
+            raise ConfigError(f"grammar compile_timeout_s must be positive, got {self.compile_timeout_s}")
+        if self.max_compiles < 1 or not 1 <= self.max_compiles_per_tenant <= self.max_compiles:
+            raise ConfigError("need max_compiles >= 1 and 1 <= max_compiles_per_tenant <= max_compiles")
+        if not 0 < self.max_mask_ms < float("inf"):
+            raise ConfigError(f"grammar max_mask_ms must be positive, got {self.max_mask_ms}")
+        if not 0 < self.max_request_mask_ms < float("inf"):
+            raise ConfigError(f"grammar max_request_mask_ms must be positive, got {self.max_request_mask_ms}")
+        if self.cache_bytes < 0 or self.mask_threads < 0:
+            raise ConfigError("grammar cache_bytes and mask_threads must be >= 0")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: str  # path to a Hugging Face model directory
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype (float32 on CPU when it is float16)
@@ -93,6 +151,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig | None = None  # None: LoRA disabled
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

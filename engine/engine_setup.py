@@ -74,7 +74,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 
 def _profile_gpu_num_blocks(config: EngineConfig, model, max_model_len: int, sampler: Sampler) -> int:
     """Blocks that fit in gpu_memory_utilization of the device after a worst-case prefill forward."""
-    from engine.scheduler import ScheduledSequence, SchedulerOutput
+    from engine.scheduler_output import ScheduledSequence, SchedulerOutput
     from engine.sequence import Sequence
 
     block_size = config.cache.block_size

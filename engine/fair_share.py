@@ -4,8 +4,10 @@
 Each tenant has a counter of the service it received divided by its weight, where service is the
 prompt tokens computed for it plus twice its output tokens. The scheduler admits, and hands the
 chunked-prefill budget to, the backlogged tenant with the least counter, and preempts from the
-most-served one. A tenant that becomes active again is lifted to the least counter among the
-active ones, so idle time banks no credit: it cannot later crowd out the tenants that kept working.
+most-served one (for room in the KV cache, and, within a bound on the work thrown away, for a
+sequence slot when a tenant holding fewer slots waits; see Scheduler). A tenant that becomes active
+again is lifted to the least counter among the active ones, so idle time banks no credit: it cannot
+later crowd out the tenants that kept working.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class ServiceCounters:
 
     def service(self, tenant: str) -> float:
         return self._service.get(tenant, 0.0)
+
+    def weight(self, tenant: str) -> float:
+        return self._weight.get(tenant, 1.0)
 
     def is_active(self, tenant: str) -> bool:
         return tenant in self._active

@@ -25,6 +25,8 @@ _SCHEDULER_FIELDS = {
     "long_prefill_token_threshold",
     "max_prefill_tokens_with_decodes",
     "policy",
+    "max_seqs_per_request",
+    "fair_preempt_tokens_per_step",
 }
 
 
@@ -56,12 +58,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Final outputs in the order of ``prompts`` (strings are tokenized with special tokens)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_lists = [
-            self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            for p in prompts  # type: ignore[union-attr]
-        ]
+        batch: Seq[str | Seq[int]] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else prompts
+        )
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
         return self._run(token_lists, sampling_params)
 
     def chat(
@@ -70,7 +72,9 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the assistant prompt) to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: Seq[Seq[dict[str, str]]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item,assignment]
+        )
         token_lists = [chat_prompt_token_ids(self.tokenizer, conv) for conv in conversations]
         return self._run(token_lists, sampling_params)
 

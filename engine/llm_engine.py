@@ -7,6 +7,7 @@ outside is checked in add_request and refused with a typed error before any stat
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence as Seq
 
@@ -18,16 +19,23 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.lora.errors import LoRADisabledError
 from engine.lora.manager import LoRAManager
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.protocol import LoRARef
+from engine.protocol import ErrorCode, FinishReason, LoRARef
 from engine.sampling_params import SamplingParams
-from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler, SchedulerOutput
+from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_profile import StepProfile
 from engine.stop_checker import FINISH_LENGTH, OutputStream, StreamStep
-from engine.structured_output.manager import GrammarRequests
+from engine.structured_output.compiler import CompileJob
+from engine.structured_output.manager import GrammarRequests, WaitingGrammar
 from engine.structured_output.spec import StructuredOutputsError
 
-_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, FINISH_LENGTH: SequenceStatus.FINISHED_LENGTH}
+logger = logging.getLogger(__name__)
+
+_STATUS: dict[str, SequenceStatus] = {
+    FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
+    FINISH_LENGTH: SequenceStatus.FINISHED_LENGTH,
+}
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,9 +99,12 @@ class LLMEngine:
         lora_slots = self.lora_manager.slots if self.lora_manager is not None else None
         self.scheduler = Scheduler(setup.scheduler_config, config.cache, setup.num_blocks, lora_slots)
         self.grammars = GrammarRequests(
-            self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            config=config.structured_output,
         )
-        self.runner.grammar_bitmask = self.grammars.bitmask
+        self.runner.grammar_bitmask = self.grammars.start_bitmask
         self._requests: dict[str, _Request] = {}
         self._completions: dict[int, _Completion] = {}  # seq_id -> completion
         self._aborted_waiting: dict[str, None] = {}  # aborted while their grammar compiled
@@ -147,18 +158,35 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidRequestError("sampling_params must be a SamplingParams")
+        self.scheduler.check_num_seqs(sampling_params.n)  # before a grammar waits outside the scheduler
         prompt = list(prompt_token_ids)
         bad = [
             t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
         ]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        grammar = None
+        grammar: CompileJob | None = None
         if sampling_params.structured_outputs is not None:
-            grammar = self.grammars.manager.grammar(sampling_params.structured_outputs)
-            if grammar.done() and grammar.exception() is not None:
-                raise InvalidRequestError(str(grammar.exception()))
-        lora_id = self._lora_id(tenant, lora, sampling_params.n)
+            # Cached per tenant (and salt): one tenant never learns by timing what another compiled.
+            grammar = self.grammars.manager.grammar(
+                sampling_params.structured_outputs, tenant=tenant, cache_salt=cache_salt
+            )
+            if grammar.future.done() and grammar.future.exception() is not None:
+                self.grammars.manager.release(grammar)
+                error = grammar.future.exception()
+                raise error if isinstance(error, InvalidRequestError) else InvalidRequestError(str(error))
+            if grammar.future.done():
+                try:
+                    self.grammars.check_request_cost(grammar, sampling_params.n)
+                except InvalidRequestError:
+                    self.grammars.manager.release(grammar)
+                    raise
+        try:
+            lora_id = self._lora_id(tenant, lora, sampling_params.n)
+        except BaseException:
+            if grammar is not None:
+                self.grammars.manager.release(grammar)
+            raise
         now = time.time()
         # The first add carries every size check; siblings are identical, so they cannot fail after it.
         added: list[Sequence] = []
@@ -181,15 +209,17 @@ class LLMEngine:
             ]
             # A grammar still compiling: the request waits outside the scheduler until it is ready
             # (decided once: the compile thread may finish at any moment).
-            compiled = grammar is None or grammar.done()
+            compiled = grammar is None or grammar.future.done()
             for seq in seqs if compiled else ():
                 self.scheduler.add(seq)
                 added.append(seq)
         except EngineError:
             for seq in added:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, "abort")
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
             if self.lora_manager is not None and lora_id:
                 self.lora_manager.release(lora_id, sampling_params.n)
+            if grammar is not None:
+                self.grammars.manager.release(grammar)
             raise
         completions = [
             _Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids))
@@ -209,36 +239,70 @@ class LLMEngine:
         self.num_prompt_tokens += len(prompt)
         if grammar is not None:
             if compiled:
-                self.grammars.bind([s.seq_id for s in seqs], grammar.result())
+                self.grammars.bind([s.seq_id for s in seqs], grammar.future.result())
+                self.grammars.manager.release(grammar)
             else:
-                self.grammars.waiting[request_id] = grammar
+                self.grammars.waiting[request_id] = WaitingGrammar(
+                    grammar, None if deadline is None else float(deadline)
+                )
 
     def _admit_compiled(self) -> dict[str, None]:
         """Requests whose grammar finished compiling go to the scheduler (or fail); returns those
         that ended."""
         ended: dict[str, None] = {}
         for request_id in self.grammars.done():
-            future = self.grammars.waiting.pop(request_id)
+            job = self.grammars.take(request_id)
+            assert job is not None  # done() lists only requests that wait for a grammar
+            future = job.future
             req = self._requests[request_id]
             seqs = [c.seq for c in req.completions]
-            error = future.exception()
+            error = _compile_error(future)
+            if error is None:
+                try:
+                    self.grammars.check_request_cost(job, len(seqs))
+                except EngineError as exc:
+                    error = exc
             if error is None:
                 try:
                     for seq in seqs:
                         self.scheduler.add(seq)
                 except EngineError as exc:
                     for seq in seqs:
-                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "error")
+                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
                     error = exc
             if error is None:
                 self.grammars.bind([s.seq_id for s in seqs], future.result())
                 continue
             req.error = str(error)
             req.error_code = getattr(error, "code", None) or (
-                "invalid_request" if isinstance(error, StructuredOutputsError) else "engine_error"
+                ErrorCode.INVALID_REQUEST
+                if isinstance(error, StructuredOutputsError)
+                else ErrorCode.ENGINE_ERROR
             )
             for seq in seqs:
-                self._finish_completion(seq, "error", None)
+                self._finish_completion(seq, FinishReason.ERROR, None)
+            ended[request_id] = None
+        return ended
+
+    def _expire_waiting(self) -> dict[str, None]:
+        """Requests whose deadline passed while their grammar compiled end: dropped unbilled
+        (queue_timeout) when the compile had not started, billed (grammar_compile_timeout) when it
+        had; a compile that no request waits for any more is killed."""
+        ended: dict[str, None] = {}
+        for request_id in self.grammars.expired(time.time()):
+            job = self.grammars.take(request_id)
+            assert job is not None
+            req = self._requests[request_id]
+            if job.started:
+                req.error = "the request's deadline passed while its structured output grammar compiled"
+                req.error_code = ErrorCode.GRAMMAR_COMPILE_TIMEOUT
+            else:
+                req.error = (
+                    "the request waited in the queue past its deadline and was dropped before it started"
+                )
+                req.error_code = FINISH_QUEUE_TIMEOUT
+            for c in req.completions:
+                self._finish_completion(c.seq, FinishReason.ERROR, None)
             ended[request_id] = None
         return ended
 
@@ -253,7 +317,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Takes effect at the next step(), which frees the blocks and reports the request finished."""
         if request_id in self.grammars.waiting:
-            self._aborted_waiting[request_id] = None
+            self._aborted_waiting[request_id] = None  # its compile is cancelled at the next step
             return
         self.scheduler.abort(request_id)
 
@@ -270,19 +334,20 @@ class LLMEngine:
         if self.grammars.waiting:
             touched.update(self._take_aborted_waiting())
             touched.update(self._admit_compiled())
+            touched.update(self._expire_waiting())
         sched_out = self.scheduler.schedule()
         if profile is not None:
             profile.mark("schedule")
         if not sched_out.scheduled and not touched and self.grammars.waiting:
             self.grammars.wait(0.05)  # nothing to run until a grammar is ready: do not spin
         for seq in sched_out.finished_aborted:
-            self._finish_completion(seq, "abort", None)
+            self._finish_completion(seq, FinishReason.ABORT, None)
             touched[seq.request_id] = None
         for seq in sched_out.finished_expired:
             req = self._requests[seq.request_id]
             req.error = "the request waited in the queue past its deadline and was dropped before it started"
             req.error_code = FINISH_QUEUE_TIMEOUT
-            self._finish_completion(seq, "error", None)
+            self._finish_completion(seq, FinishReason.ERROR, None)
             touched[seq.request_id] = None
         if sched_out.scheduled:
             self.num_steps += 1
@@ -309,10 +374,10 @@ class LLMEngine:
         ended: dict[str, None] = {}
         for request_id in list(self._aborted_waiting):
             del self._aborted_waiting[request_id]
-            if self.grammars.waiting.pop(request_id, None) is None:
+            if self.grammars.take(request_id) is None:
                 continue
             for c in self._requests[request_id].completions:
-                self._finish_completion(c.seq, "abort", None)
+                self._finish_completion(c.seq, FinishReason.ABORT, None)
             ended[request_id] = None
         return ended
 
@@ -323,15 +388,15 @@ class LLMEngine:
         accepted, terminated = self.grammars.accept(seq.seq_id, token)
         if not accepted:  # the bitmask allows only what the grammar accepts: an engine bug
             req = self._requests[seq.request_id]
-            req.error, req.error_code = "the output left its grammar", "engine_error"
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "error")
-            self._finish_completion(seq, "error", None)
+            req.error, req.error_code = "the output left its grammar", ErrorCode.ENGINE_ERROR
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
+            self._finish_completion(seq, FinishReason.ERROR, None)
             return
         step = c.stream.append_token(token, max_model_len_reached=seq.num_tokens >= self.max_model_len)
         if terminated and step.finish_reason is None:
             # The grammar is complete and allows nothing more (its end token was not a stop, as
             # with ignore_eos): the output ends here.
-            step = StreamStep(step.text + c.stream.end("stop"), "stop", None)
+            step = StreamStep(step.text + c.stream.end(FinishReason.STOP), FinishReason.STOP, None)
         c.text += step.text
         c.text_delta += step.text
         c.token_ids_delta.append(token)
@@ -354,14 +419,17 @@ class LLMEngine:
         failed: dict[str, None] = {}
         for item in sched_out.scheduled:
             failed[item.seq.request_id] = None
+        # The batch holds other tenants' requests: the detail (which may quote one request's input)
+        # goes to the log, each request gets the same generic message.
+        logger.error("a forward failed; ending the %d requests of its batch", len(failed), exc_info=exc)
         for request_id in failed:
             req = self._requests[request_id]
-            req.error = f"{type(exc).__name__}: {exc}"
-            req.error_code = "engine_error"
+            req.error = "the engine failed while running this request's batch"
+            req.error_code = ErrorCode.ENGINE_ERROR
             for c in req.completions:
                 if c.finish_reason is None:
-                    self.scheduler.finish(c.seq, SequenceStatus.FINISHED_ERROR, "error")
-                    self._finish_completion(c.seq, "error", None)
+                    self.scheduler.finish(c.seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
+                    self._finish_completion(c.seq, FinishReason.ERROR, None)
         return self._outputs(failed)
 
     def _outputs(self, request_ids: dict[str, None]) -> list[RequestOutput]:
@@ -406,3 +474,9 @@ class LLMEngine:
         if self.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.device)
         return stats
+
+
+def _compile_error(future) -> BaseException | None:
+    if future.cancelled():  # only when the engine shuts its compile pool down
+        return EngineError("the engine stopped before the request's grammar was compiled")
+    return future.exception()

@@ -14,6 +14,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 SPECIAL_TOKENS = [BOS, EOS, EOT, "<|start_header_id|>", "<|end_header_id|>", "<|pad|>"]
@@ -90,10 +91,13 @@ def train_tokenizer(vocab_size: int):
     return tok
 
 
+_ROPE_1M = {"rope_type": "default", "rope_theta": 1000000.0}
+
+
 def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: str, ids: dict[str, int]):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=size.hidden_size,
         num_hidden_layers=size.num_layers,
@@ -122,9 +126,9 @@ def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: st
         }
         return LlamaConfig(rope_parameters=rope, **common)
     if arch == "mistral":
-        return MistralConfig(sliding_window=None, rope_theta=1000000.0, **common)
+        return MistralConfig(sliding_window=None, rope_parameters=_ROPE_1M, **common)
     if arch == "qwen2":
-        return Qwen2Config(rope_theta=1000000.0, use_sliding_window=False, **common)
+        return Qwen2Config(rope_parameters=_ROPE_1M, use_sliding_window=False, **common)
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 

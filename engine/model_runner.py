@@ -9,15 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs, make_generator
-from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_profile import StepProfile
+
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
 
 
 @dataclass(slots=True)
@@ -80,11 +84,13 @@ class ModelRunner:
         ]
         self._generators: dict[int, torch.Generator | None] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
-        # engine.lora.LoRAManager when adapters are served: it maps each step's tokens to slots.
-        self.lora = None
-        # The engine's structured outputs: the token bitmask of a step's sampled sequences (None
-        # when none is constrained).
-        self.grammar_bitmask: Callable[[list[Sequence]], torch.Tensor | None] | None = None
+        # When adapters are served: it maps each step's tokens to slots.
+        self.lora: LoRAManager | None = None
+        # The engine's structured outputs: starts filling the token bitmask of a step's sampled
+        # sequences and returns its join (None when none is constrained).
+        self.grammar_bitmask: Callable[[list[Sequence]], Callable[[], torch.Tensor | None] | None] | None = (
+            None
+        )
         self.graphs: _DecodeGraphs | None = None
         self.profile: StepProfile | None = None  # the engine's, while it profiles its steps
         if self.device.type == "cuda" and not enforce_eager and cuda_graph_batch_sizes:
@@ -238,7 +244,14 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         if profile is not None:
             profile.mark("prepare")
-        logits = self.execute(inputs)
+        seqs = [item.seq for item in inputs.sampled]
+        # The grammar masks are filled in their own threads while the forward runs (both release
+        # the GIL); joined before sampling, and before anything can release a matcher.
+        join_bitmask = self.grammar_bitmask(seqs) if self.grammar_bitmask is not None and seqs else None
+        try:
+            logits = self.execute(inputs)
+        finally:
+            bitmask = join_bitmask() if join_bitmask is not None else None
         if profile is not None:
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)
@@ -246,8 +259,6 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs
         if not inputs.sampled:
             return RunnerOutput({}, {}, prompt_logprobs)
-        seqs = [item.seq for item in inputs.sampled]
-        bitmask = self.grammar_bitmask(seqs) if self.grammar_bitmask is not None else None
         out = self.sampler.sample(
             logits,
             [s.sampling_params for s in seqs],
@@ -255,6 +266,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [self._generator(item) for item in inputs.sampled],
             token_bitmask=bitmask,
+            seqs=seqs,
         )
         ids = {s.seq_id: t for s, t in zip(seqs, out.token_ids, strict=True)}
         logprobs = {s.seq_id: lp for s, lp in zip(seqs, out.logprobs, strict=True)}

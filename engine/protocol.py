@@ -23,12 +23,37 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import orjson
 
 PROTOCOL_VERSION = 1
 CONSUMER_GROUP = "engines"
+
+
+class FinishReason(StrEnum):
+    """Why a sequence ended (FinishedOutput.finish_reason). The web tier maps every member to what
+    its client sees (inference.services.generation); a test fails on a member without a mapping."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORT = "abort"  # cancelled
+    ERROR = "error"  # failed (the request's error event says why)
+
+
+class ErrorCode(StrEnum):
+    """The code of an engine's error event (Event.code). The web tier maps every member to an HTTP
+    status and an OpenAI error; a test fails on a member without a mapping."""
+
+    ENGINE_ERROR = "engine_error"  # the engine failed (a step, a grammar compile process)
+    INVALID_REQUEST = "invalid_request"  # the request is malformed (the engine's own checks)
+    REQUEST_TOO_LARGE = "request_too_large"  # it can never fit this replica's KV cache
+    QUEUE_TIMEOUT = "queue_timeout"  # dropped unstarted: its deadline passed; nothing billed
+    LORA_UNAVAILABLE = "lora_unavailable"  # this replica serves no adapters
+    LORA_LOAD_FAILED = "lora_load_failed"  # the adapter named could not be loaded
+    GRAMMAR_TOO_COSTLY = "grammar_too_costly"  # its token masks cost more than the replica allows
+    GRAMMAR_COMPILE_TIMEOUT = "grammar_compile_timeout"  # its grammar compiled past the timeout
 
 
 class ProtocolError(ValueError):
@@ -138,7 +163,7 @@ class DeltaOutput:
 @dataclass(slots=True)
 class FinishedOutput:
     index: int
-    finish_reason: str  # stop | length | abort | error
+    finish_reason: str  # a FinishReason
     stop_reason: int | str | None = None
 
 
@@ -157,7 +182,7 @@ class Event:
     outputs: list[dict[str, Any]] = field(default_factory=list)  # DeltaOutput / FinishedOutput dicts
     usage: dict[str, int] | None = None  # on finished (and on error when tokens were produced)
     message: str | None = None  # on error
-    code: str | None = None  # on error: engine_error, request_too_large, engine_unavailable, ...
+    code: str | None = None  # on error: an ErrorCode
     replica: str | None = None
     # On a delta, once, when the request asked for prompt logprobs: one entry per prompt token,
     # None for the first, else {"token_id", "logprob", "rank", "top": [[token_id, logprob], ...]}.

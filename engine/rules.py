@@ -8,6 +8,8 @@ engine.protocol and engine.chat_template), never the rest of the engine.
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 # --- OpenAI request limits --------------------------------------------------------------------------
@@ -25,6 +27,29 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 # request must not fill a replica's batch on its own.
 MAX_COMPLETION_PROMPTS = 64
 MAX_SEQUENCES_PER_REQUEST = 128
+
+# --- Sequence slots ---------------------------------------------------------------------------------
+
+# A replica's decode slots (engine setting max_num_seqs) when a deployment names none.
+DEFAULT_MAX_NUM_SEQS = 128
+
+
+def default_max_seqs_per_request(max_num_seqs: int) -> int:
+    """The sequences (`n`) one request may run on a replica with `max_num_seqs` slots when the
+    deployment sets no max_seqs_per_request: a quarter of the slots (at least 2 where that still
+    leaves one), so that one request never holds the whole batch while other tenants queue."""
+    return max(1, max_num_seqs // 4, min(2, max_num_seqs - 1))
+
+
+def max_seqs_per_request(engine_settings: dict[str, Any] | None) -> int:
+    """The `n` a deployment's engines accept, from its engine_settings (the same rule as
+    engine.config.SchedulerConfig, so that the web tier refuses what the engine would)."""
+    settings = engine_settings or {}
+    explicit = settings.get("max_seqs_per_request")
+    if explicit:
+        return int(explicit)
+    return default_max_seqs_per_request(int(settings.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS))
+
 
 # --- Service tiers ----------------------------------------------------------------------------------
 
@@ -86,30 +111,90 @@ def model_context_length(config: dict[str, Any]) -> int:
 
 # --- Engine options a deployment may set --------------------------------------------------------------
 
-# engine_settings keys of a deployment, as the options of `python -m engine serve`.
+# engine_settings keys of a deployment, each the option --key-with-dashes of `python -m engine
+# serve`, with the kind of value it takes (a test holds this to that command's parser): "int",
+# "float", "size" (bytes, or text such as 512MiB), "text", or "switch" (the flag is passed when true).
+ENGINE_SETTINGS = {
+    "device": "text",
+    "seed": "int",
+    "num_blocks": "int",
+    "kv_cache_memory": "size",
+    "gpu_memory_utilization": "float",
+    "block_size": "int",
+    "max_num_seqs": "int",
+    "max_seqs_per_request": "int",
+    "fair_preempt_tokens_per_step": "int",
+    "max_num_batched_tokens": "int",
+    "max_prefill_tokens_with_decodes": "int",
+    "max_held": "int",
+    "claim_timeout_ms": "int",
+    "heartbeat_interval": "float",
+    "drain_grace_s": "float",
+    "max_loras": "int",
+    "max_cpu_loras": "int",
+    "max_lora_rank": "int",
+    "grammar_compile_timeout_s": "float",
+    "grammar_max_compiles": "int",
+    "grammar_max_compiles_per_tenant": "int",
+    "grammar_max_mask_ms": "float",
+    "grammar_max_request_mask_ms": "float",
+    "grammar_cache_bytes": "size",
+    "enforce_eager": "switch",
+    "no_prefix_caching": "switch",
+    "enable_lora": "switch",
+}
 ENGINE_SETTING_FLAGS = {
-    "device": "--device",
-    "seed": "--seed",
-    "num_blocks": "--num-blocks",
-    "kv_cache_memory": "--kv-cache-memory",
-    "gpu_memory_utilization": "--gpu-memory-utilization",
-    "block_size": "--block-size",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "max_prefill_tokens_with_decodes": "--max-prefill-tokens-with-decodes",
-    "max_held": "--max-held",
-    "claim_timeout_ms": "--claim-timeout-ms",
-    "heartbeat_interval": "--heartbeat-interval",
-    "drain_grace_s": "--drain-grace-s",
-    "max_loras": "--max-loras",
-    "max_cpu_loras": "--max-cpu-loras",
-    "max_lora_rank": "--max-lora-rank",
+    key: "--" + key.replace("_", "-") for key, kind in ENGINE_SETTINGS.items() if kind != "switch"
 }
-# Boolean settings: the flag is passed when the value is true.
 ENGINE_SETTING_SWITCHES = {
-    "enforce_eager": "--enforce-eager",
-    "no_prefix_caching": "--no-prefix-caching",
-    "enable_lora": "--enable-lora",
+    key: "--" + key.replace("_", "-") for key, kind in ENGINE_SETTINGS.items() if kind == "switch"
 }
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]i?)?b?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '2GiB', '1.5GB'; ValueError for anything else."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+
+
+def engine_settings_errors(engine_settings: Any) -> list[str]:
+    """What is wrong with a deployment's engine_settings (an empty list when nothing is): unknown
+    keys, and values of the wrong kind. Checked where a deployment is saved (the model, so the
+    admin and the services too) and by the commands that start engines."""
+    if not isinstance(engine_settings, dict):
+        return ["engine_settings must be an object of key: value"]
+    errors = []
+    for key, value in engine_settings.items():
+        kind = ENGINE_SETTINGS.get(key)
+        if kind is None:
+            errors.append(f"unknown engine setting {key!r}; known: {', '.join(sorted(ENGINE_SETTINGS))}")
+        elif value is None:
+            continue
+        elif kind == "switch":
+            if not isinstance(value, bool):
+                errors.append(f"{key} must be true or false, got {value!r}")
+        elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                errors.append(f"{key} must be an integer, got {value!r}")
+        elif kind == "float":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                errors.append(f"{key} must be a number, got {value!r}")
+        elif kind == "size":
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                errors.append(f"{key} must be a number of bytes or a size such as 512MiB, got {value!r}")
+            elif isinstance(value, str):
+                try:
+                    parse_size(value)
+                except ValueError as exc:
+                    errors.append(f"{key}: {exc}")
+        elif not isinstance(value, str):
+            errors.append(f"{key} must be text, got {value!r}")
+    return errors
+
+
 # Switches that are on unless a deployment turns them off: tenants' adapters are served by default.
 ENGINE_SETTING_DEFAULTS = {"enable_lora": True}

@@ -18,10 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.sampling_state import SamplingStates, apply_bias_and_penalties
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence as EngineSequence
 
 
 @dataclass(slots=True)
@@ -50,6 +55,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = list(eos_token_ids)
+        self.states = SamplingStates()
 
     @torch.inference_mode()
     def sample(
@@ -61,9 +67,15 @@ class Sampler:
         generators: Sequence[torch.Generator | None] | None = None,
         eos_token_ids: Sequence[int] | None = None,
         token_bitmask: torch.Tensor | None = None,
+        seqs: Sequence[EngineSequence] | None = None,
     ) -> SamplerOutput:
         """`token_bitmask`: (num_seqs, ceil(vocab_size / 32)) int32 of the tokens each row may
-        sample (bit j of word w allows token 32 * w + j); a row with every bit set is free."""
+        sample (bit j of word w allows token 32 * w + j); a row with every bit set is free.
+
+        `seqs`: the engine's sequences of the rows (their params, prompts and outputs are the other
+        arguments). With them, logit bias and penalties come from per-request state kept on the
+        sequences (engine.sampling_state), so a step's work no longer grows with the prompt and the
+        bias of every row; without them, from the lists, as the reference."""
         num_seqs, vocab_size = logits.shape
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == num_seqs
         if generators is None:
@@ -81,8 +93,12 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        _apply_logit_bias(logits, params)
-        logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        if seqs is None:
+            apply_logit_bias(logits, params)
+            logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        else:
+            assert len(seqs) == num_seqs
+            apply_bias_and_penalties(logits, params, self.states.rows(seqs, vocab_size, device))
         _apply_min_tokens(logits, params, output_token_ids, eos, skip=constrained)
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -134,7 +150,8 @@ def apply_penalties(
     of tokens seen in prompt or output; frequency subtracts per output occurrence; presence once.
 
     Sparse: only the seen tokens are gathered, changed and scattered back, instead of several
-    passes over (num_seqs, vocab_size) that dominate the step on CPU.
+    passes over (num_seqs, vocab_size) that dominate the step on CPU. Built from the lists on every
+    call: the engine's steps use engine.sampling_state, which must match this bit for bit.
     """
     device = logits.device
     rep = [p.repetition_penalty for p in params]
@@ -144,7 +161,10 @@ def apply_penalties(
             for r, prompt, out in zip(rep, prompt_token_ids, output_token_ids, strict=True)
         ]
         ids, _ = _padded_ids(seen, device)
-        penalty = torch.tensor(rep, dtype=torch.float32, device=device).unsqueeze(1)
+        # A penalty below float32's smallest normal (a positive 5e-324 passes every check) must not
+        # become 0 here: a grammar's masked -inf times 0 is nan, and argmax picks nan.
+        penalty = torch.tensor(rep, dtype=torch.float32, device=device)
+        penalty = penalty.clamp_(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
         values = logits.gather(1, ids)  # (num_seqs, max_len)
         logits.scatter_(1, ids, torch.where(values > 0, values / penalty, values * penalty))
     freq = [p.frequency_penalty for p in params]
@@ -191,7 +211,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> list[int
     return rows.tolist()
 
 
-def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """OpenAI's logit_bias, in place, from the params (the reference of the per-request state)."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []

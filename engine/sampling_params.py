@@ -8,6 +8,7 @@ API reports as OpenAI's `param`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -23,6 +24,30 @@ from engine.structured_output.spec import StructuredOutputsError, structured_out
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would only overflow.
 _SAMPLING_EPS = 1e-5
+# logit_bias keys: token ids written in ASCII digits (a vocabulary is far below 10**10 tokens).
+MAX_TOKEN_ID_DIGITS = 10
+_TOKEN_ID_KEY = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}")
+# Integers cross the wire as JSON and are read into 64-bit tensors.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The ranges of the numeric parameters, (low, high, low excluded): checked on construction, and
+# shown in the API's OpenAPI schema, which reads them from here.
+NUMBER_RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    # As vLLM: any positive value (1 is off; > 1 discourages repeats, < 1 encourages them).
+    "repetition_penalty": (0.0, math.inf, True),
+}
+INTEGER_RANGES: dict[str, tuple[int | None, int | None]] = {
+    "n": (1, MAX_N),
+    "top_k": (-1, INT64_MAX),  # -1 or 0: off
+    "seed": (INT64_MIN, INT64_MAX),
+    "min_tokens": (0, None),
+    "logprobs": (0, MAX_LOGPROBS),
+    "prompt_logprobs": (0, MAX_LOGPROBS),
+}
 
 
 class SamplingParamsError(ValueError):
@@ -88,36 +113,24 @@ class SamplingParams:
     structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        self.n = _check_int("n", self.n, lo=1, hi=MAX_N)
-        self.temperature = _check_float("temperature", self.temperature, 0.0, 2.0)
-        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        self.top_k = _check_int("top_k", self.top_k, lo=-1)
+        for name, (lo, hi, lo_open) in NUMBER_RANGES.items():
+            setattr(self, name, _check_float(name, getattr(self, name), lo, hi, lo_open=lo_open))
+        for name, (ilo, ihi) in INTEGER_RANGES.items():
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _check_int(name, value, lo=ilo, hi=ihi))
         if self.top_k == -1:
             self.top_k = 0
-        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
-        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        # As vLLM: any positive value (1 is off; > 1 discourages repeats, < 1 encourages them).
-        self.repetition_penalty = _check_float(
-            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True
-        )
-        if self.seed is not None:
-            self.seed = _check_int("seed", self.seed)
         self.stop = self._checked_stop(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers")
         self.stop_token_ids = [_check_int("stop_token_ids", t, lo=0) for t in self.stop_token_ids]
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         self.max_tokens = _check_int("max_tokens", self.max_tokens, lo=1)
-        self.min_tokens = _check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
@@ -140,9 +153,18 @@ class SamplingParams:
             )
         out: dict[int, float] = {}
         for key, value in bias.items():
-            # JSON object keys are strings: a bias crosses the wire as {"123": 5.0}.
-            token = int(key) if isinstance(key, str) and key.isdigit() else key
-            out[_check_int("logit_bias", token, lo=0)] = _check_float(
+            # JSON object keys are strings: a bias crosses the wire as {"123": 5.0}. str.isdigit()
+            # also takes "²" and "١", which int() refuses or reads as another number; the length
+            # bound keeps int() from reading thousands of digits.
+            if isinstance(key, str):
+                if not _TOKEN_ID_KEY.fullmatch(key):
+                    raise SamplingParamsError(
+                        "logit_bias",
+                        f"logit_bias keys must be token ids (ASCII digits, at most {MAX_TOKEN_ID_DIGITS}),"
+                        f" got {key[:32]!r}",
+                    )
+                key = int(key)
+            out[_check_int("logit_bias", key, lo=0)] = _check_float(
                 "logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS
             )
         return out

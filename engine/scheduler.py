@@ -4,8 +4,12 @@ Order of service: priority tier first (a lower number is more important), then, 
 the tenant with the least weighted service (engine.fair_share), then arrival. Running sequences
 get the step's budget in that order; when blocks run out the last in that order is preempted by
 recompute (the lowest tier, its most-served tenant, its latest arrival), and a waiting request of
-a higher tier preempts running ones of a lower tier. Waiting sequences are admitted in the same
-order. A waiting request whose queue deadline passes before any of it was computed is dropped.
+a higher tier preempts running ones of a lower tier. Under fair share, when every slot is taken,
+the least-served waiting tenant also preempts a sequence of a more-served tenant of its tier that
+holds more (weighted) slots, within a token bucket on the computed work this throws away
+(fair_preempt_tokens_per_step). Waiting sequences are admitted in the same order. A request may run
+at most max_seqs_per_request sequences. A waiting request whose queue deadline passes before any of
+it was computed is dropped.
 `policy="fcfs"` orders within a tier by arrival alone (the baseline fair share is measured against).
 """
 
@@ -13,124 +17,19 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import EngineError, RequestTooLargeError
 from engine.fair_share import ServiceCounters
 from engine.lora.slots import LoRASlots
+from engine.protocol import ErrorCode, FinishReason
+from engine.request_queue import WaitingQueue
+from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
-FINISH_QUEUE_TIMEOUT = "queue_timeout"
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int  # a prefill chunk, or 1 for a decode
-    # Snapshotted at schedule time: positions [start_pos, start_pos + num_new_tokens) are computed.
-    start_pos: int = field(init=False)
-    # True when this step computes the sequence's last token, so the runner must sample for it.
-    needs_sample: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.start_pos = self.seq.num_computed_tokens
-        self.needs_sample = self.start_pos + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    num_batched_tokens: int
-    preempted: list[Sequence]
-    finished_aborted: list[Sequence]
-    # Dropped unstarted because their queue deadline passed (finish_reason "queue_timeout").
-    finished_expired: list[Sequence] = field(default_factory=list)
-
-
-class _Level:
-    __slots__ = ("resumed", "tenants")
-
-    def __init__(self) -> None:
-        # Preempted sequences and released siblings: their request was already admitted once.
-        self.resumed: deque[Sequence] = deque()
-        # Tenants with new requests, in the order they started waiting; FIFO within a tenant.
-        self.tenants: OrderedDict[str, deque[Sequence]] = OrderedDict()
-
-
-class WaitingQueue:
-    """Waiting sequences in admission order: by priority; within a priority, resumed sequences
-    first, then the head of the tenant that `choose` picks among those waiting (the least served
-    under fair share, the earliest head under FCFS), FIFO within a tenant."""
-
-    def __init__(self, choose: Callable[[OrderedDict[str, deque[Sequence]]], str] | None = None) -> None:
-        self._levels: dict[int, _Level] = {}
-        self._len = 0
-        self._choose = choose or _earliest_head
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Sequence]:
-        for p in sorted(self._levels):
-            level = self._levels[p]
-            yield from level.resumed
-            for q in level.tenants.values():
-                yield from q
-
-    def push(self, seq: Sequence, *, resumed: bool = False, first: bool = False) -> None:
-        level = self._levels.setdefault(seq.priority, _Level())
-        q = level.resumed if resumed else level.tenants.setdefault(seq.tenant, deque())
-        q.appendleft(seq) if first else q.append(seq)
-        self._len += 1
-
-    def peek(self) -> Sequence | None:
-        if not self._levels:
-            return None
-        level = self._levels[min(self._levels)]
-        return level.resumed[0] if level.resumed else level.tenants[self._choose(level.tenants)][0]
-
-    def pop(self) -> Sequence:
-        p = min(self._levels)
-        level = self._levels[p]
-        if level.resumed:
-            seq = level.resumed.popleft()
-        else:
-            tenant = self._choose(level.tenants)
-            q = level.tenants[tenant]
-            seq = q.popleft()
-            if q:
-                level.tenants.move_to_end(tenant)  # ties go to the others next
-            else:
-                del level.tenants[tenant]
-        self._drop_if_empty(p)
-        self._len -= 1
-        return seq
-
-    def remove(self, seq: Sequence) -> bool:
-        level = self._levels.get(seq.priority)
-        if level is None:
-            return False
-        for q in (level.resumed, level.tenants.get(seq.tenant, ())):
-            if seq in q:
-                q.remove(seq)
-                if not level.tenants.get(seq.tenant, True):
-                    del level.tenants[seq.tenant]
-                self._drop_if_empty(seq.priority)
-                self._len -= 1
-                return True
-        return False
-
-    def _drop_if_empty(self, priority: int) -> None:
-        level = self._levels[priority]
-        if not level.resumed and not level.tenants:
-            del self._levels[priority]
-
-
-def _earliest_head(tenants: OrderedDict[str, deque[Sequence]]) -> str:
-    return min(tenants, key=lambda t: (tenants[t][0].arrival_time, tenants[t][0].seq_id))
+# A sequence dropped unstarted (its queue deadline passed): its request ends with this error code.
+FINISH_QUEUE_TIMEOUT = ErrorCode.QUEUE_TIMEOUT
 
 
 class Scheduler:
@@ -150,7 +49,9 @@ class Scheduler:
         )
         self.fair_share = scheduler_config.policy == "fair"
         self.service = ServiceCounters()
-        self.waiting = WaitingQueue(self._least_served if self.fair_share else None)
+        self.waiting = WaitingQueue(
+            self._least_served if self.fair_share else None, resumed_by_tenant=self.fair_share
+        )
         self.running: list[Sequence] = []
         # Siblings (index > 0) of a parallel-sampling request, held until index 0's prompt is
         # computed so that they share its cached blocks instead of computing them again.
@@ -160,6 +61,12 @@ class Scheduler:
         self._num_deadlines = 0  # unfinished requests with a queue deadline
         self.num_preemptions = 0
         self.num_expired = 0
+        # Fair-share preemption's token bucket: computed tokens it may still throw away. It fills by
+        # fair_preempt_tokens_per_step each step up to max_model_len (so any one sequence can be
+        # paid for), so over k steps it throws away at most k x that rate + max_model_len tokens.
+        self._fair_preempt_allowance = 0
+        self.num_fair_preemptions = 0
+        self.num_fair_preempted_tokens = 0  # computed tokens fair-share preemption threw away
 
     # -- ordering -----------------------------------------------------------------------------
 
@@ -175,8 +82,19 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------------
 
+    def check_num_seqs(self, n: int) -> None:
+        """Refuse a request of more sequences than max_seqs_per_request: it would hold too many of
+        the slots every tenant shares."""
+        limit = self.config.max_seqs_per_request
+        assert limit is not None  # resolved by SchedulerConfig
+        if n > limit:
+            raise RequestTooLargeError(
+                f"n={n}: a request may run at most {limit} sequences on this engine (max_seqs_per_request)"
+            )
+
     def add(self, seq: Sequence) -> None:
         cfg, bm = self.config, self.block_manager
+        self.check_num_seqs(getattr(seq.sampling_params, "n", 1))
         if seq.num_prompt_tokens > cfg.max_model_len:
             raise RequestTooLargeError(
                 f"the prompt has {seq.num_prompt_tokens} tokens, more than max_model_len={cfg.max_model_len}"
@@ -269,8 +187,15 @@ class Scheduler:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
+        rate = self.config.fair_preempt_tokens_per_step
+        assert rate is not None  # resolved by SchedulerConfig
+        self._fair_preempt_allowance = min(
+            self._fair_preempt_allowance + rate, max(self.config.max_model_len, rate)
+        )
         preempted: list[Sequence] = self._preempt_for_higher_tier()
-        tier_preempted = bool(preempted)
+        if self.fair_share and not preempted:
+            preempted = self._preempt_for_fair_share()
+        made_room = bool(preempted)
 
         # Running sequences, most important first; the victims come from the tail, which has
         # not been scheduled yet, so nothing already granted this step is taken back.
@@ -285,7 +210,8 @@ class Scheduler:
         prefill_budget = cap if decoding else self.config.max_num_batched_tokens
         i = 0
         while i < len(order) and budget > 0:
-            seq = order[i]
+            seq: Sequence | None = order[i]
+            assert seq is not None
             uncomputed = seq.num_uncomputed_tokens
             num_new = self._num_new_tokens(
                 uncomputed, budget if uncomputed == 1 else min(budget, prefill_budget)
@@ -308,11 +234,12 @@ class Scheduler:
                 i += 1
 
         # Admitting while preempting for room would only evict what was just admitted on the next
-        # step; a preemption for a higher tier made room for exactly what is admitted now.
+        # step; a preemption for a higher tier or for fair share made room for exactly what is
+        # admitted now.
         lora_slots = self.lora_slots
         loras_in_use = {s.lora_id for s in self.running if s.lora_id} if lora_slots is not None else set()
         while (
-            (tier_preempted or len(preempted) == 0)
+            (made_room or len(preempted) == 0)
             and min(budget, prefill_budget) > 0
             and len(self.running) < self.config.max_num_seqs
         ):
@@ -381,6 +308,58 @@ class Scheduler:
             victims.append(victim)
         return victims
 
+    def _preempt_for_fair_share(self) -> list[Sequence]:
+        """When every slot is taken and the head of the queue (the least-served waiting tenant's)
+        belongs to a tenant holding fewer weighted slots than another tenant of its tier that was
+        served more, preempt that tenant's least important sequence to make the head its slot:
+        running sequences are otherwise never taken back, and a tenant with many long sequences
+        would hold the batch while the others queue. At most one a step, and only what the token
+        bucket can pay for (its computed tokens are thrown away and computed again)."""
+        cfg = self.config
+        head = self.waiting.peek()
+        if cfg.fair_preempt_tokens_per_step == 0 or head is None or len(self.running) < cfg.max_num_seqs:
+            return []
+        if self.lora_slots is not None and head.lora_id:
+            in_use = {s.lora_id for s in self.running if s.lora_id}
+            if not self.lora_slots.can_admit(head.lora_id, in_use):
+                return []
+        service = self.service
+        slots: dict[str, int] = {}
+        for s in self.running:
+            slots[s.tenant] = slots.get(s.tenant, 0) + 1
+        head_share = (slots.get(head.tenant, 0) + 1) / service.weight(head.tenant)
+        head_service = service.service(head.tenant)
+        victims = sorted(
+            (
+                s
+                for s in self.running
+                if s.priority == head.priority
+                and s.tenant != head.tenant
+                and service.service(s.tenant) > head_service
+                and slots[s.tenant] / service.weight(s.tenant) >= head_share
+            ),
+            key=self._order_key,
+            reverse=True,
+        )
+        if not victims:
+            return []
+        # Only for a slot: the head's first chunk must already find its blocks, or the victim's
+        # work would be thrown away for nothing.
+        bm = self.block_manager
+        computed = [] if head.wants_prompt_logprobs else bm.get_computed_blocks(head)
+        uncomputed = head.num_tokens - len(computed) * self.block_size
+        num_new = self._num_new_tokens(uncomputed, max(1, cfg.max_num_batched_tokens - len(self.running)))
+        if num_new == 0 or not bm.can_allocate(head, num_new, computed):
+            return []
+        for victim in victims:
+            if victim.num_computed_tokens <= self._fair_preempt_allowance:
+                self._fair_preempt_allowance -= victim.num_computed_tokens
+                self.num_fair_preemptions += 1
+                self.num_fair_preempted_tokens += victim.num_computed_tokens
+                self._preempt(victim)
+                return [victim]
+        return []
+
     def _expire_waiting(self) -> list[Sequence]:
         """Drop the requests whose queue deadline passed while none of their sequences had started."""
         now = time.time()
@@ -413,7 +392,7 @@ class Scheduler:
         for request_id in list(self._pending_aborts):
             for seq in list(self._requests.get(request_id, ())):
                 self._discard(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, "abort"
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT
                 aborted.append(seq)
         self._pending_aborts.clear()
         return aborted

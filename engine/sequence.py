@@ -94,6 +94,9 @@ class Sequence:
         self.num_preemptions = 0
         # Logprobs of prompt tokens 1.. (the first has none), when the request asked for them.
         self.prompt_logprobs: list = []
+        # The sampler's bias and penalty state of this request (engine.sampling_state), shared with
+        # its siblings and grown as it generates; built when it first samples.
+        self.sampling_state: Any = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -13,24 +13,29 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Sequence
 
+from engine import rules
 from engine.allocator import reexec_with_tcmalloc
-from engine.config import CacheConfig, ConfigError, EngineConfig, LoRAConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    StructuredOutputConfig,
+)
 from engine.worker.settings import WorkerSettings
-
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
 def parse_size(text: str) -> int:
-    """Bytes from '1073741824', '512MiB', '2GiB', '1.5GB'."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]i?)?b?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
+    """Bytes from '1073741824', '512MiB', '2GiB', '1.5GB' (the rule in engine.rules)."""
+    try:
+        return rules.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -56,6 +61,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cache.add_argument("--max-num-seqs", type=int, default=128)
     cache.add_argument("--max-num-batched-tokens", type=int, default=2048)
     cache.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=None,
+        help="sequences (n) one request may run, below max-num-seqs; default: a quarter of it",
+    )
+    cache.add_argument(
+        "--fair-preempt-tokens-per-step",
+        type=int,
+        default=None,
+        help="computed tokens fair-share preemption may throw away per step (a bucket of at most"
+        " max-model-len); default: a quarter of max-num-batched-tokens; 0: never preempt for fair share",
+    )
+    cache.add_argument(
         "--max-prefill-tokens-with-decodes",
         type=int,
         default=0,
@@ -69,6 +87,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory; default 4 x max-loras"
     )
     lora.add_argument("--max-lora-rank", type=int, default=64)
+    grammar = parser.add_argument_group("structured outputs (bounds on a grammar's cost)")
+    grammar.add_argument("--grammar-compile-timeout-s", type=float, default=10.0)
+    grammar.add_argument("--grammar-max-compiles", type=int, default=2, help="compile processes")
+    grammar.add_argument("--grammar-max-compiles-per-tenant", type=int, default=1)
+    grammar.add_argument(
+        "--grammar-max-mask-ms", type=float, default=8.0, help="CPU ms one token mask may take"
+    )
+    grammar.add_argument(
+        "--grammar-max-request-mask-ms",
+        type=float,
+        default=64.0,
+        help="CPU ms one step's masks for one request may take (mask cost x n)",
+    )
+    grammar.add_argument("--grammar-cache-bytes", type=parse_size, default=256 * 2**20)
     redis_opts = parser.add_argument_group("Redis")
     redis_opts.add_argument(
         "--redis-url",
@@ -116,8 +148,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
             max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len,
+            max_seqs_per_request=args.max_seqs_per_request,
+            fair_preempt_tokens_per_step=args.fair_preempt_tokens_per_step,
         ),
         lora=lora_config_from_args(args),
+        structured_output=StructuredOutputConfig(
+            compile_timeout_s=args.grammar_compile_timeout_s,
+            max_compiles=args.grammar_max_compiles,
+            max_compiles_per_tenant=args.grammar_max_compiles_per_tenant,
+            max_mask_ms=args.grammar_max_mask_ms,
+            max_request_mask_ms=args.grammar_max_request_mask_ms,
+            cache_bytes=args.grammar_cache_bytes,
+        ),
     )
 
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.protocol import FinishReason
 from engine.sampling_params import SamplingParams
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
+FINISH_STOP = FinishReason.STOP
+FINISH_LENGTH = FinishReason.LENGTH
 
 
 def check_stop(

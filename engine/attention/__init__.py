@@ -49,5 +49,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        kv_stored: bool = False,  # the caller already wrote k and v into the caches (a fused pass)
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...

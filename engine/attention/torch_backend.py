@@ -280,6 +280,7 @@ class TorchAttentionBackend:
             )
         for decode in plan.decodes:
             rows = decode.rows
+            assert rows is not None, "the decodes of a mixed step name their rows"
             out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, decode, scale))
         for chunk in plan.chunks:
             out[chunk.start : chunk.end] = self._chunk(q, k, v, k_cache, v_cache, chunk, scale)

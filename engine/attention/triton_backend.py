@@ -34,8 +34,11 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if not kv_stored:
+            store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
         if metadata.is_pure_decode:
             assert q.shape[0] == metadata.num_seqs, "a decode-only step has one query row per sequence"
             return paged_decode_attention(

@@ -15,9 +15,13 @@ The scaling is folded into B at load time (engine.lora.loader).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from kernels.lora_groups import LoraTokenGroups
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # A (rank, in_features), B (out_features, rank)
 
@@ -27,7 +31,7 @@ class LoRAStep:
     """One step's token-to-slot mapping, shared by every LoRA layer of the forward."""
 
     token_slots: torch.Tensor  # (num_tokens,) int32 on the device, -1 = base model
-    groups: object | None = None  # kernels.lora_groups.LoraTokenGroups on the kernel path
+    groups: LoraTokenGroups | None = None  # on the kernel path
     # (slot, first row, end row): the batch is laid out so that each adapter's rows are contiguous.
     segments: list[tuple[int, int, int]] = field(default_factory=list)
 

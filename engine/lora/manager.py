@@ -12,10 +12,9 @@ slots and maps the step's tokens to slots.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from engine.config import LoRAConfig
 from engine.lora.layers import LoRAContext, LoRALinear, LoRAStep
@@ -24,13 +23,13 @@ from engine.lora.slots import LoRASlots
 from engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.scheduler import ScheduledSequence
+    from engine.scheduler_output import ScheduledSequence
 
 AdapterKey = tuple[str, str, str]  # (tenant, name, version)
 
 
 def wrap_linears(
-    model: nn.Module, cfg: ModelConfig, config: LoRAConfig, context: LoRAContext, *, use_kernels: bool
+    model: Any, cfg: ModelConfig, config: LoRAConfig, context: LoRAContext, *, use_kernels: bool
 ) -> list[dict[str, LoRALinear]]:
     """Replace each decoder layer's fused linears by LoRALinear wrappers of them (again: rewrap)."""
     dims = module_dims(cfg)
@@ -61,7 +60,7 @@ class LoRAManager:
     def __init__(
         self,
         config: LoRAConfig,
-        model: nn.Module,
+        model: Any,  # a causal LM of engine.models (model.model.layers, embed_tokens)
         model_config: ModelConfig,
         *,
         use_kernels: bool | None = None,

@@ -171,7 +171,6 @@ class LlamaForCausalLM(nn.Module):
         on = (
             device.type == "cpu"
             and self.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-            and max(cfg.hidden_size, cfg.intermediate_size) <= cpu_fused.MAX_ROW
             and cfg.head_dim <= 512
             and cpu_fused.available()
         )

@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -201,8 +202,9 @@ def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     extra = sum(t.numel() * t.element_size() for t in [*(m.weight for m in linears), logits_weight])
     pack = extra <= _packed_weights_budget()
     max_rows = packed_max_rows(dtype)
-    for linear in linears:
-        linear.__class__ = _CpuLinear
+    for plain in linears:
+        plain.__class__ = _CpuLinear
+        linear = cast(_CpuLinear, plain)
         linear.wide_float32 = dtype == torch.bfloat16
         if pack:
             linear.packed = pack_weight(linear.weight)
@@ -213,6 +215,7 @@ def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 
 
 def _decoder_linears(model: LlamaForCausalLM) -> Iterator[nn.Linear]:
+    layer: Any
     for layer in model.model.layers:
         yield from (
             layer.self_attn.qkv_proj,

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from engine.lora.errors import LoRADisabledError, LoRALoadError
-from engine.protocol import Event, GenerateRequest, ProtocolError, ReplicaStats, Usage
+from engine.protocol import ErrorCode, Event, GenerateRequest, ProtocolError, ReplicaStats, Usage
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.worker.outputs import HeldRequest, events_for_output
 from engine.worker.queue import CONNECTION_ERRORS, RequestQueue
@@ -148,7 +148,7 @@ class EngineWorker:
             except Exception:
                 logger.exception("engine step failed; failing the requests in flight")
                 message = "the engine failed while running this request"
-                self._fail_all("engine_error", message, hand_back=False)
+                self._fail_all(ErrorCode.ENGINE_ERROR, message, hand_back=False)
                 return EXIT_ENGINE_FAILED
             self._collect(outputs)
         elif self._stopping:
@@ -220,7 +220,7 @@ class EngineWorker:
             request_id = _request_id_of(fields)
             logger.warning("malformed request entry %s (request %r): %s", message_id, request_id, exc)
             if request_id:
-                self._events.append((request_id, Event.error(str(exc), "invalid_request")))
+                self._events.append((request_id, Event.error(str(exc), ErrorCode.INVALID_REQUEST)))
             self._acks.append(message_id)
             return
         held = self._held.get(request.request_id)
@@ -287,15 +287,16 @@ class EngineWorker:
                 deadline=request.deadline,
             )
         except LoRADisabledError:
-            return Event.error("this engine replica does not serve LoRA adapters", "lora_unavailable")
+            return Event.error("this engine replica does not serve LoRA adapters", ErrorCode.LORA_UNAVAILABLE)
         except LoRALoadError as exc:
-            return Event.error(str(exc), "lora_load_failed")
+            return Event.error(str(exc), ErrorCode.LORA_LOAD_FAILED)
         except RequestTooLargeError as exc:
-            return Event.error(str(exc), "request_too_large")
+            return Event.error(str(exc), ErrorCode.REQUEST_TOO_LARGE)
         except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as exc:
-            return Event.error(str(exc), "invalid_request")
+            # An error that names its own code (a grammar refused from the cache) keeps it.
+            return Event.error(str(exc), getattr(exc, "code", None) or ErrorCode.INVALID_REQUEST)
         except EngineError as exc:
-            return Event.error(str(exc), "engine_error")
+            return Event.error(str(exc), ErrorCode.ENGINE_ERROR)
         return None
 
     # --- cancels, outputs -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import DeltaOutput, Event, FinishedOutput, Usage
+from engine.protocol import DeltaOutput, ErrorCode, Event, FinishedOutput, FinishReason, Usage
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class HeldRequest:
     def aborted_event(self) -> Event:
         """The finished event for a cancel: indices that had already ended keep their own reason."""
         outputs = [
-            self.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason="abort")
+            self.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason=FinishReason.ABORT)
             for i in range(self.n)
         ]
         return Event.finished(outputs, self.usage())
@@ -92,13 +92,16 @@ def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
             ]
         events.append(event)
     if getattr(output, "error", None):
-        code = getattr(output, "error_code", None) or "engine_error"
+        code = getattr(output, "error_code", None) or ErrorCode.ENGINE_ERROR
         # Dropped before it started: nothing was computed, so nothing is billed.
-        usage = Usage(prompt_tokens=0, completion_tokens=0) if code == "queue_timeout" else held.usage()
+        usage = (
+            Usage(prompt_tokens=0, completion_tokens=0) if code == ErrorCode.QUEUE_TIMEOUT else held.usage()
+        )
         events.append(Event.error(str(output.error), code, usage))
     elif output.finished:
         outputs = [
-            held.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason="stop") for i in range(held.n)
+            held.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason=FinishReason.STOP)
+            for i in range(held.n)
         ]
         events.append(Event.finished(outputs, held.usage()))
     return events

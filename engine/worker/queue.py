@@ -183,7 +183,7 @@ class RequestQueue:
                 CONSUMER_GROUP,
                 self.replica_id,
                 0,
-                message_ids,
+                list[Any](message_ids),  # redis-py's stubs take a list of any id type (lists are invariant)
                 idle=_RELEASED_IDLE_MS,
                 justid=True,
             )
@@ -226,7 +226,7 @@ class RequestQueue:
         xadds: list[int] = []
         for request_id, event, entry_id in batch:
             key = output_stream(self.prefix, request_id)
-            data = event.encode()
+            data: dict[Any, Any] = event.encode()  # redis-py stubs' key and value types (invariant)
             xadds.append(len(pipe))
             pipe.xadd(key, data, id=entry_id)
             # The TTL is set on a stream's first entry and refreshed while it runs (a request
@@ -286,9 +286,8 @@ class RequestQueue:
         self.client.xtrim(self.stream, minid=f"{cut[0]}-{cut[1]}", approximate=False)
 
     def read_output(self, request_id: str) -> list[Event]:
-        return [
-            Event.decode(fields) for _, fields in self.client.xrange(output_stream(self.prefix, request_id))
-        ]
+        entries: list[tuple[Any, dict[Any, Any]]] = self.client.xrange(output_stream(self.prefix, request_id))  # type: ignore[assignment]  # never None on a sync client
+        return [Event.decode(fields) for _, fields in entries]
 
     # --- cancels --------------------------------------------------------------------------------
 

@@ -257,6 +257,6 @@ def test_the_engine_ends_an_expired_request_with_a_queue_timeout_error_billed_no
     (event,) = events_for_output(held, late)
     assert event.type == "error" and event.code == "queue_timeout"
     assert event.usage == {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-    assert not engine.scheduler.has_unfinished() or engine.scheduler.num_running == 1
+    assert engine.scheduler.num_running == 1  # busy, 2 of its 20 tokens made
     with pytest.raises(Exception, match="weight"):
         engine.add_request("w", [0, 1], SamplingParams(max_tokens=1), weight=0)

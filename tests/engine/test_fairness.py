@@ -59,9 +59,11 @@ def test_a_tenant_with_a_backlog_of_100_delays_another_tenants_request_by_one_ad
     assert first == ["a0", "a1"]
     engine.add_request("b0", [0, 5, 6], SamplingParams(max_tokens=3), tenant="B")
     later = _admission_order(engine, until="b0", seen=first)
-    # B starts level with A's service (no banked credit, no debt): the first free slot is B's.
+    # B starts level with A's service (no banked credit, no debt): the first free slot is B's, made
+    # by preempting one of A's two (fair share takes a slot back for a tenant holding none).
     assert later[0] == "b0"
-    assert engine.scheduler.num_waiting == 100 - len(first) - len(later) + 1
+    assert engine.scheduler.num_fair_preemptions == 1
+    assert engine.scheduler.num_waiting == 100 - len(first) - len(later) + 1 + 1
 
 
 def test_a_more_important_request_is_admitted_ahead_of_an_earlier_queue(tiny_llama_dir: Path) -> None:

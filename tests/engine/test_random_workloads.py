@@ -27,7 +27,8 @@ def _engine(model_dir: Path, num_blocks: int, budget: int, max_num_seqs: int) ->
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path) -> LLMEngine:
-    return _engine(tiny_llama_dir, num_blocks=64, budget=512, max_num_seqs=1)
+    # Three slots: a request may run two sequences (max_seqs_per_request), as the workload's do.
+    return _engine(tiny_llama_dir, num_blocks=64, budget=512, max_num_seqs=3)
 
 
 def _alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[list[int]]:

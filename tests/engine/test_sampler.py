@@ -188,6 +188,18 @@ def test_a_repetition_penalty_moves_greedy_off_a_repeated_token():
     assert _sample(logits, penalized, outputs=[[1]], eos=()).token_ids == [2]
 
 
+def test_a_repetition_penalty_too_small_for_float32_keeps_masked_tokens_masked():
+    # Found by the API fuzzer: 5e-324 is 0 in float32, and a grammar's -inf times 0 was nan, which
+    # argmax picked: the output left its grammar.
+    logits = torch.tensor([[float("-inf"), 1.0, -2.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=5e-324)]
+
+    out = apply_penalties(logits.clone(), params, [[0, 1, 2]], [[]])
+
+    assert not out.isnan().any() and out[0, 0] == float("-inf")
+    assert _sample(logits, params, prompts=[[0, 1, 2]], outputs=[[]], eos=()).token_ids == [1]
+
+
 def test_min_tokens_suppresses_eos_and_stop_token_ids_until_reached():
     logits = torch.tensor([[0.0, 1.0, 9.0, 10.0]])  # EOS (3) first, stop id 2 second
     params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])]

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import RequestTooLargeError
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
 BS = 4
