@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path, re_path
 
+from core.api.openapi import OpenApiSchemaApi
 from core.api.views import v1_not_found
 from inference import health
 from inference.api.tokens import DetokenizeApi, TokenizeApi
@@ -18,6 +19,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("dashboard/", include("tenants.dashboard.urls")),
     path("dashboard/", include("inference.dashboard.urls")),
+    path("v1/openapi.json", OpenApiSchemaApi.as_view(), name="openapi-schema"),
     path("v1/", include("tenants.api.urls")),
     path("v1/", include("inference.api.urls")),
     # Add further /v1 routes ABOVE this line: this catch-all must stay the last /v1 pattern, so

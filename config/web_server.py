@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from asgiref.compatibility import guarantee_single_callable
 from daphne.access import AccessLogGenerator
 from daphne.endpoints import build_endpoint_description_strings
-from daphne.http_protocol import WebRequest
+from daphne.http_protocol import HTTPFactory, WebRequest
 from daphne.utils import import_by_path
 from daphne.ws_protocol import WebSocketProtocol
 from twisted.internet import reactor
@@ -47,6 +47,23 @@ WS_CLOSE_WAIT_S = 1.0
 _LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
 
 
+class RawBodyRequest(WebRequest):
+    """daphne's request without Twisted's parsing of form bodies into `request.args`, which daphne
+    never reads (the application gets the raw body). That parse answered a malformed multipart body
+    with a bare 400 of its own, before the application could answer it in the API's shape, and held
+    a second copy of every upload in memory."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, parsePOSTFormSubmission=False, **kwargs)
+
+
+class RawBodyHTTPFactory(HTTPFactory):
+    def buildProtocol(self, addr):
+        protocol = super().buildProtocol(addr)
+        protocol.requestFactory = RawBodyRequest
+        return protocol
+
+
 class DrainingServer(daphne.server.Server):
     """daphne's Server with a drain on the first stop request and an immediate stop on the second."""
 
@@ -56,6 +73,11 @@ class DrainingServer(daphne.server.Server):
         self.ports: list = []
         self.drain_deadline: float | None = None  # monotonic; set when the drain begins
         self._stopped = False
+
+    def run(self) -> None:
+        # daphne's run() builds its HTTPFactory by that name and then serves until the process ends.
+        daphne.server.HTTPFactory = RawBodyHTTPFactory
+        super().run()
 
     def listen_success(self, port) -> None:
         self.ports.append(port)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import weakref
 
 import redis
 import redis.asyncio as aioredis
@@ -30,24 +32,29 @@ def get_redis() -> redis.Redis:
     return redis.Redis(connection_pool=pool)
 
 
-_async_clients: dict[int, aioredis.Redis] = {}
+# Each event loop's client, as the stream readers and live sets are kept. A client's open connections
+# refer to their loop, so a weak key alone would never let an entry go: the entries of closed loops
+# are dropped whenever a client is asked for, and the loop, its client and its sockets are then
+# garbage.
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def get_async_redis() -> aioredis.Redis:
-    """One asyncio client per event loop (a client must not cross loops)."""
-    import asyncio
-
-    loop_id = id(asyncio.get_running_loop())
-    client = _async_clients.get(loop_id)
+    """The running event loop's asyncio client (a client must not cross loops)."""
+    loop = asyncio.get_running_loop()
+    client = _async_clients.get(loop)
     if client is None:
+        for closed in [other for other in _async_clients.keys() if other.is_closed()]:
+            del _async_clients[closed]
         pool = aioredis.BlockingConnectionPool.from_url(
             settings.REDIS_URL,
             decode_responses=False,
             max_connections=MAX_CONNECTIONS,
             timeout=POOL_TIMEOUT_S,
         )
-        client = aioredis.Redis(connection_pool=pool)
-        _async_clients[loop_id] = client
+        client = _async_clients[loop] = aioredis.Redis(connection_pool=pool)
     return client
 
 

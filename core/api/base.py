@@ -2,8 +2,8 @@
 
 For each request it: assigns the request id (sent back as `x-request-id` on every answer, errors
 included); authenticates the API key; counts the request against the tenant's requests/min limit
-unless the view's own admission does (generations reserve tokens and count the request there);
-runs the handler (a sync handler runs in a thread, so it may use the ORM); and renders any error
+before the body is read (generations reserve their tokens later, in their own admission); runs the
+handler (a sync handler runs in a thread, so it may use the ORM); and renders any error
 in OpenAI's shape with `core.api.exceptions.error_response`, the one renderer.
 
 Who authenticates and who counts requests is configured, as DRF configures its authentication
@@ -31,6 +31,7 @@ from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
 
 from core.api.exceptions import error_response, to_platform_error
+from core.concurrency import blocking
 from core.errors import InvalidRequestError, MethodNotAllowedError, PlatformError
 from core.request_ids import new_request_id
 
@@ -63,7 +64,7 @@ def validated(serializer_class: type[serializers.Serializer], data: Any) -> dict
     try:
         serializer.is_valid(raise_exception=True)
     except serializers.ValidationError as exc:
-        raise to_platform_error(exc) from exc
+        raise (to_platform_error(exc) or exc) from exc
     return dict(serializer.validated_data)
 
 
@@ -89,8 +90,13 @@ class ApiView(View):
     arguments, and return an HttpResponse or JSON-serialisable data (answered with 200). They
     find the caller in `self.auth` and the request id in `self.request_id`."""
 
-    # False where the view's own admission counts the request (and its tokens) instead.
-    counts_request = True
+    # True for documentation anyone may read (the OpenAPI schema): no key is asked for, and no
+    # request counted, since there is no tenant to count it against.
+    public = False
+    # True where a sync handler's work grows with its body (tokenization): it then runs in a thread
+    # of the pool rather than on Django's one shared thread, where it would hold up every other
+    # request's authentication on this process.
+    handler_in_pool = False
     # Always dispatched as a coroutine: the handlers below may be sync or async.
     view_is_async = True
 
@@ -118,15 +124,16 @@ class ApiView(View):
         handler = getattr(self, method, None) if method in self.http_method_names else None
         if method == "options" or handler is None:
             return self._without_handler(request)
-        self.auth = await self.authenticate(request)
-        if self.counts_request:
+        if not self.public:
+            self.auth = await self.authenticate(request)
             self.ratelimit_headers = await sync_to_async(_configured("API_REQUEST_ADMIT"))(
                 auth=self.auth, request_id=self.request_id
             )
         if iscoroutinefunction(handler):
             result = await handler(request, *args, **kwargs)
         else:
-            result = await sync_to_async(handler)(request, *args, **kwargs)
+            call = blocking if self.handler_in_pool else sync_to_async
+            result = await call(handler)(request, *args, **kwargs)
         return result if isinstance(result, HttpResponseBase) else JsonResponse(result, safe=False)
 
     def _without_handler(self, request: HttpRequest) -> HttpResponseBase:

@@ -42,8 +42,9 @@ def test_every_v1_route_is_an_api_view():
         assert view is not None and issubclass(view, ApiView), route
 
 
-def test_every_v1_view_counts_the_request_before_reading_it():
-    assert all(view.counts_request for view in _v1_views().values())
+def test_every_v1_view_but_the_documentation_asks_for_a_key_and_counts_the_request_before_reading_it():
+    views = _v1_views()
+    assert [route for route, view in views.items() if view.public] == ["v1/openapi.json"]
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/usage", "/v1/adapters"])
@@ -162,3 +163,52 @@ def test_a_tenant_over_its_rate_costs_no_tokenization(world, monkeypatch):
 
     assert response.status_code == 429
     assert tokenized == []
+
+
+class _Held(ApiView):
+    """A public view whose sync handler waits until the test lets it go."""
+
+    public = True
+    handler_in_pool = True
+    entered = None  # threading.Event
+    release = None  # threading.Event
+
+    def get(self, request):
+        self.entered.set()
+        assert self.release.wait(60)
+        return {"held": True}
+
+
+class _Quick(ApiView):
+    public = True
+
+    def get(self, request):
+        return {"quick": True}
+
+
+async def test_a_handler_in_the_pool_does_not_hold_up_other_requests_sync_work():
+    # Given a sync handler whose work grows with its body (handler_in_pool) and is running long
+    import asyncio
+    import threading
+
+    from django.test import AsyncRequestFactory
+
+    _Held.entered, _Held.release = threading.Event(), threading.Event()
+    factory = AsyncRequestFactory()
+    held = asyncio.ensure_future(_Held.as_view()(factory.get("/v1/held")))
+    try:
+        assert await asyncio.to_thread(_Held.entered.wait, 60)
+        # When another request's sync handler runs on Django's shared thread meanwhile
+        quick = await asyncio.wait_for(_Quick.as_view()(factory.get("/v1/quick")), timeout=30)
+        # Then it is answered while the first still works
+        assert quick.status_code == 200 and json.loads(quick.content) == {"quick": True}
+        assert not held.done()
+    finally:
+        _Held.release.set()
+    assert json.loads((await held).content) == {"held": True}
+
+
+def test_the_tokenizer_views_run_their_work_in_the_pool():
+    from inference.api.tokens import DetokenizeApi, TokenizeApi
+
+    assert TokenizeApi.handler_in_pool and DetokenizeApi.handler_in_pool
