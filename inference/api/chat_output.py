@@ -1,12 +1,12 @@
 """A chat choice's generated text as an OpenAI assistant message: content and tool calls, whole or
-as stream deltas, read as the request's tool mode says (inference.tool_calls)."""
+as stream deltas, read as the request's tool mode says (inference.tool_parsers)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from inference.services import GenerationPlan
-from inference.tool_calls import (
+from inference.tool_parsers import (
     ContentDelta,
     NamedToolStream,
     RequiredToolStream,

@@ -6,13 +6,68 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from engine.structured_output.spec import MAX_SPEC_CHARS, spec_key
+from inference.tool_parsers import required_tools_schema
 
 # OpenAI's rules for function and schema names, and its limit on tools per request.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
+_NAME_SCHEMA = {"type": "string", "pattern": _NAME.pattern}
 
 
+def _spec_size_check(spec: dict[str, Any], what: str) -> None:
+    """The bound structured_outputs has (MAX_SPEC_CHARS, measured on the canonical spec the grammar
+    is built and cached from), so that no field reaches a grammar build with a bigger one."""
+    if len(spec_key(spec)) > MAX_SPEC_CHARS:
+        raise serializers.ValidationError(
+            f"{what} may be at most {MAX_SPEC_CHARS} characters as compact JSON."
+        )
+
+
+def _tools_size_check(tools: list[dict[str, Any]]) -> None:
+    """The tools as given (descriptions included), and the grammar a required tool_choice builds
+    from them (every tool's parameters, the largest a tool_choice can ask for), are each bounded by
+    MAX_SPEC_CHARS: what the engine accepts as a structured output spec."""
+    if len(spec_key({"tools": tools})) > MAX_SPEC_CHARS:
+        raise serializers.ValidationError(
+            f"tools may be at most {MAX_SPEC_CHARS} characters as compact JSON."
+        )
+    required = {"json": required_tools_schema(tools, parallel=False), "disable_any_whitespace": True}
+    if len(spec_key(required)) > MAX_SPEC_CHARS:
+        raise serializers.ValidationError(
+            f"The grammar of these tools would be over {MAX_SPEC_CHARS} characters; send fewer or smaller"
+            " parameter schemas."
+        )
+
+
+@extend_schema_field(
+    {
+        "anyOf": [
+            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+            {"type": "object", "properties": {"type": {"const": "json_object"}}, "required": ["type"]},
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "json_schema"},
+                    "json_schema": {
+                        "type": "object",
+                        "properties": {
+                            "name": _NAME_SCHEMA,
+                            "description": {"type": "string"},
+                            "schema": {"type": "object"},
+                            "strict": {"type": ["boolean", "null"]},
+                        },
+                        "required": ["name"],
+                    },
+                },
+                "required": ["type", "json_schema"],
+            },
+        ]
+    }
+)
 class ResponseFormatField(serializers.Field):
     """`response_format`: text, json_object, or json_schema {name, schema, strict?, description?}.
     Internal value: the structured output spec it asks for, or None for text."""
@@ -45,12 +100,37 @@ class ResponseFormatField(serializers.Field):
         if not isinstance(spec.get("strict", False), bool | None):
             raise serializers.ValidationError("response_format.json_schema.strict must be a boolean.")
         # strict or not, the grammar enforces the schema (and writes no properties beyond it).
-        return {"json": schema or {"type": "object"}, "disable_any_whitespace": True}
+        out = {"json": schema or {"type": "object"}, "disable_any_whitespace": True}
+        _spec_size_check(out, "response_format.json_schema.schema")
+        return out
 
     def to_representation(self, value: Any) -> Any:
         return value
 
 
+@extend_schema_field(
+    {
+        "type": "array",
+        "maxItems": MAX_TOOLS,
+        "items": {
+            "type": "object",
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "properties": {
+                        "name": _NAME_SCHEMA,
+                        "description": {"type": ["string", "null"]},
+                        "parameters": {"type": ["object", "null"]},
+                        "strict": {"type": ["boolean", "null"]},
+                    },
+                    "required": ["name"],
+                },
+            },
+            "required": ["type", "function"],
+        },
+    }
+)
 class ToolsField(serializers.Field):
     """`tools`: function tools {"type": "function", "function": {name, description?, parameters?,
     strict?}}. Internal value: the list as given, checked."""
@@ -89,10 +169,34 @@ class ToolsField(serializers.Field):
             if parameters is not None:
                 clean["parameters"] = parameters
             out.append({"type": "function", "function": clean})
+        _tools_size_check(out)
         return out
 
     def to_representation(self, value: Any) -> Any:
         return value
+
+
+@extend_schema_field(
+    {
+        "anyOf": [
+            {"enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "function"},
+                    "function": {
+                        "type": "object",
+                        "properties": {"name": {"type": "string"}},
+                        "required": ["name"],
+                    },
+                },
+                "required": ["type", "function"],
+            },
+        ]
+    }
+)
+class ToolChoiceField(serializers.JSONField):
+    """`tool_choice`, checked against the tools by `tool_choice_check`."""
 
 
 def tool_choice_check(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any]:

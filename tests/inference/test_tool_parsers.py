@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from inference.tool_calls import (
+from inference.tool_parsers import (
     ContentDelta,
     NamedToolStream,
     RequiredToolStream,
@@ -447,3 +447,14 @@ def test_get_parser_with_an_unknown_name_names_the_known_parsers():
         get_parser("mistral")
 
     assert str(raised.value) == "unknown tool call parser 'mistral'; known parsers: hermes, llama3_json"
+
+
+def test_the_parsers_a_deployment_may_name_are_the_registrys():
+    from inference.models import ModelDeployment
+    from inference.tool_parsers import DEFAULT_PARSER, PARSERS
+
+    field = ModelDeployment._meta.get_field("tool_call_parser")
+    assert [name for name, _ in field.choices] == [*PARSERS, ""]
+    assert field.default == DEFAULT_PARSER
+    for name in PARSERS:
+        assert get_parser(name).parse("plain text") == ("plain text", [])
