@@ -39,7 +39,7 @@ from inference.api.chat_output import ChoiceMessageStream
 from inference.api.formatting import chat_logprobs, usage_body
 from inference.api.serializers import ChatCompletionInputSerializer, generation_input
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationUsage, generation_start
-from tenants.services import api_key_authenticate
+from tenants.services import api_key_authenticate, request_admit
 from tenants.types import AuthContext
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,19 @@ BEARER_SUBPROTOCOL_PREFIX = "pagoda.bearer."
 MAX_STREAMS_PER_CONNECTION = 16
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_PROTOCOL = 4400
+# Messages up to this size are parsed on the event loop (a thread hop costs more than parsing them).
+INLINE_PARSE_MAX = 16 * 1024
+
+
+def _message_parse(raw: str | bytes) -> dict[str, Any]:
+    try:
+        content = json.loads(raw)
+    # RecursionError: nesting deeper than the parser's stack is bad input, not a crash.
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InvalidRequestError("Messages must be JSON objects.", code="invalid_json") from exc
+    if not isinstance(content, dict):
+        raise InvalidRequestError("Messages must be JSON objects.")
+    return content
 
 
 class ChatConsumer(AsyncJsonWebsocketConsumer):
@@ -87,16 +100,18 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs) -> None:
+        raw = text_data or bytes_data or b""
         try:
-            content = json.loads(text_data or bytes_data or b"")
-        # RecursionError: nesting deeper than the parser's stack is bad input, not a crash.
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            await self._error(
-                None, InvalidRequestError("Messages must be JSON objects.", code="invalid_json")
+            # A big message is parsed in a thread: every stream of this process waits while the
+            # event loop parses.
+            content = (
+                _message_parse(raw) if len(raw) <= INLINE_PARSE_MAX else await blocking(_message_parse)(raw)
             )
-            return
-        if not isinstance(content, dict):
-            await self._error(None, InvalidRequestError("Messages must be JSON objects."))
+        except InvalidRequestError as exc:
+            # It may have been meant to start a stream: it counts as one, as an HTTP request whose
+            # body is not JSON does.
+            if self.auth is None or await self._counted(None) is not None:
+                await self._error(None, exc)
             return
         await self.receive_json(content)
 
@@ -110,7 +125,9 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 AuthenticationError('Authenticate first: send {"type": "auth", "api_key": ...}.'),
             )
         elif kind == "chat":
-            await self._start(content.get("id"), content.get("request"))
+            request_id = await self._counted(content.get("id"))
+            if request_id is not None:
+                await self._start(content.get("id"), content.get("request"), request_id)
         elif kind == "cancel":
             task = self.streams.get(str(content.get("id")))
             if task is not None:
@@ -134,7 +151,19 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             self.auth_deadline.cancel()
         await self.send_json({"type": "authenticated"})
 
-    async def _start(self, stream_id: Any, body: Any) -> None:
+    async def _counted(self, stream_id: Any) -> str | None:
+        """Count a message that would start a stream against the requests/min limit before
+        anything else is done with it, invalid ones included, as the REST API counts each request
+        before reading its body: the request id it was counted under, or None (refused, and told)."""
+        request_id = new_request_id()
+        try:
+            await blocking(request_admit)(auth=self.auth, request_id=request_id)
+        except PlatformError as exc:
+            await self._error(stream_id, exc)
+            return None
+        return request_id
+
+    async def _start(self, stream_id: Any, body: Any, request_id: str) -> None:
         if not isinstance(stream_id, str) or not stream_id:
             await self._error(None, InvalidRequestError("Each chat message needs a string id.", param="id"))
         elif stream_id in self.streams:
@@ -149,11 +178,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 ),
             )
         else:
-            self.streams[stream_id] = asyncio.create_task(self._run(stream_id, body))
+            self.streams[stream_id] = asyncio.create_task(self._run(stream_id, body, request_id))
 
-    async def _run(self, stream_id: str, body: Any) -> None:
+    async def _run(self, stream_id: str, body: Any, request_id: str) -> None:
         try:
-            await self._generate(stream_id, body)
+            await self._generate(stream_id, body, request_id)
         except Exception as exc:
             # Whatever ended the stream (Redis unreachable, a bug in a formatter), its client hears
             # of it: it waits for a `done` or an `error`. The generation settled in its own finally.
@@ -165,7 +194,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         finally:
             self.streams.pop(stream_id, None)
 
-    async def _generate(self, stream_id: str, body: Any) -> None:
+    async def _generate(self, stream_id: str, body: Any, request_id: str) -> None:
         started = time.perf_counter()
         try:
             try:
@@ -177,14 +206,20 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
             try:
-                data = generation_input(body, ChatCompletionInputSerializer)
+                # In a thread, as the REST views validate: a big body takes the serializers a while.
+                data = await blocking(generation_input)(body, ChatCompletionInputSerializer)
             except PlatformError as exc:
                 metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
                 raise
             data["stream"] = False  # the websocket streams by itself; SSE options do not apply
             data.pop("stream_options", None)
             generation, events = await generation_start(
-                auth=self.auth, kind="chat", data=data, request_id=new_request_id(), started_at=started
+                auth=self.auth,
+                kind="chat",
+                data=data,
+                request_id=request_id,
+                started_at=started,
+                request_counted=True,  # when the message came in, before its body was read
             )
         except PlatformError as exc:
             await self._error(stream_id, exc)

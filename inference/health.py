@@ -67,19 +67,21 @@ def _models() -> dict[str, dict]:
     draining) is not ready."""
     from dataclasses import asdict
 
+    from inference.gateway.replicas import ready_replica_ids
     from inference.selectors import deployment_list_enabled, deployment_replicas
 
     models = {}
     for deployment in deployment_list_enabled():
         replicas = [asdict(stats) for stats in deployment_replicas(name=deployment.name)]
-        ready = any(not replica["draining"] for replica in replicas)
+        # The one answer admission and routing use (inference.gateway.replicas).
+        ready = bool(ready_replica_ids(deployment.name))
         models[deployment.name] = {"ready": ready, "replicas": replicas}
     return models
 
 
 def _check_engines(models: dict[str, dict]) -> str | None:
     problems = []
-    missing = sorted(name for name, model in models.items() if not model["replicas"])
+    missing = sorted(name for name, model in models.items() if not model["ready"] and not model["replicas"])
     if missing:
         problems.append(f"no live engine replica for: {', '.join(missing)}")
     draining = sorted(name for name, model in models.items() if model["replicas"] and not model["ready"])
@@ -91,7 +93,8 @@ def _check_engines(models: dict[str, dict]) -> str | None:
 def operator_may_read(request: HttpRequest) -> bool:
     token = settings.METRICS_TOKEN
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if token and scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token):
+    # As bytes: compare_digest refuses str holding anything but ASCII, and a header may hold any.
+    if token and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
         return True
     try:
         user = request.user  # a session's user: read from the database, which may be what is down

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
+
+from engine.rules import engine_settings_errors
+from inference.tool_parsers import DEFAULT_PARSER, PARSERS
 
 # Served names travel in Redis key names and URL paths: keep them to a safe alphabet.
 SERVED_NAME_VALIDATOR = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$",
     "Letters, digits and . _ - / only, starting with a letter or digit.",
 )
+
+
+def validate_engine_settings(value: object) -> None:
+    """The engine options a deployment may set (engine.rules), checked wherever one is saved."""
+    errors = engine_settings_errors(value)
+    if errors:
+        raise ValidationError(errors)
 
 
 class ModelDeployment(models.Model):
@@ -39,18 +50,20 @@ class ModelDeployment(models.Model):
     )
     dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
     engine_settings = models.JSONField(
-        default=dict, blank=True, help_text="Extra engine options (block size, memory budget, ...)."
+        default=dict,
+        blank=True,
+        validators=[validate_engine_settings],
+        help_text="Extra engine options (block size, memory budget, ...): the engine_settings keys in the README.",
     )
-
-    class ToolCallParser(models.TextChoices):
-        HERMES = "hermes", "hermes (<tool_call> JSON: Hermes, Qwen, SmolLM)"
-        LLAMA3_JSON = "llama3_json", "llama3_json (Llama 3.1 JSON)"
-        NONE = "", "none (no automatic tool choice)"
 
     tool_call_parser = models.CharField(
         max_length=32,
-        choices=ToolCallParser.choices,
-        default=ToolCallParser.HERMES,
+        # The parsers of inference.tool_parsers (the one list), or none.
+        choices=[
+            *((name, label) for name, (_, label) in PARSERS.items()),
+            ("", "none (no automatic tool choice)"),
+        ],
+        default=DEFAULT_PARSER,
         blank=True,
         help_text="How tool calls are read from this model's output when tool_choice is auto. Templates "
         "that do not render tools get them described in the Hermes format.",

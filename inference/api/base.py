@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse
 from rest_framework import serializers
 
 from core.api.base import ApiView, json_body
+from core.concurrency import blocking
 from core.errors import PlatformError
 from inference import metrics
+from inference.api.body_json import body_json
 from inference.api.serializers import generation_input
 from inference.api.sse import sse_response
 from inference.services import GenerationPlan, collect_choices, generation_start
@@ -44,7 +46,9 @@ class GenerationApi(ApiView):
     async def post(self, request: HttpRequest) -> HttpResponse:
         started = time.perf_counter()
         try:
-            data = generation_input(json_body(request), self.InputSerializer)
+            # In a thread: a body of megabytes takes the parser and the serializers a while, and
+            # every stream of this process waits while the event loop does anything.
+            data = await blocking(_generation_body)(request, self.InputSerializer)
         except PlatformError as exc:
             metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
             raise
@@ -62,4 +66,13 @@ class GenerationApi(ApiView):
         if plan.stream:
             return sse_response(generation, events)
         choices = await collect_choices(events, count=plan.n * len(plan.prompts), n=plan.n)
-        return JsonResponse(self.response_body(plan, choices, generation.usage))
+        # In a thread, as the body was read: logprobs make bodies of many megabytes.
+        return await blocking(self._json_response)(plan, choices, generation.usage)
+
+    def _json_response(self, plan: GenerationPlan, choices: list, usage) -> HttpResponse:
+        body = body_json(self.response_body(plan, choices, usage))
+        return HttpResponse(body, content_type="application/json")
+
+
+def _generation_body(request: HttpRequest, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
+    return generation_input(json_body(request), serializer_class)

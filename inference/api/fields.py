@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from core.api.base import unknown_field_error
+from core.api.base import StrictSerializer, unknown_field_error
 from engine.rules import (
     MAX_COMPLETION_PROMPTS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
-    MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     SERVICE_TIERS,
 )
-from engine.structured_output.spec import StructuredOutputsError, structured_outputs_check
+from engine.sampling_params import (
+    INTEGER_RANGES,
+    MAX_TOKEN_ID_DIGITS,
+    NUMBER_RANGES,
+    SamplingParams,
+    SamplingParamsError,
+)
+from engine.structured_output.spec import MAX_CHOICES, StructuredOutputsError, structured_outputs_check
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
 UNSUPPORTED_FIELDS = frozenset(
@@ -44,26 +52,18 @@ IGNORED_FIELDS: frozenset[str] = frozenset()
 # OpenAI's bounds on metadata (kept only with store, which this server refuses; checked all the same).
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
 
+
+@extend_schema_field(
+    {"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS}]}
+)
 class StopField(serializers.Field):
-    """`stop`: a string or a list of up to four non-empty strings of bounded length (null: none)."""
+    """`stop`: a string or a list of up to four non-empty strings of bounded length (null: none);
+    checked by the engine's SamplingParams, as every sampling parameter is."""
 
-    def to_internal_value(self, data: Any) -> list[str]:
-        if data is None:
-            return []
-        if isinstance(data, str):
-            data = [data]
-        if not isinstance(data, list):
-            raise serializers.ValidationError("stop must be a string or a list of strings.")
-        if len(data) > MAX_STOP_STRINGS:
-            raise serializers.ValidationError(f"stop takes at most {MAX_STOP_STRINGS} strings.")
-        if not all(isinstance(s, str) and s for s in data):
-            raise serializers.ValidationError("Each stop sequence must be a non-empty string.")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in data):
-            raise serializers.ValidationError(
-                f"Each stop sequence may be at most {MAX_STOP_STRING_CHARS} characters long."
-            )
-        return list(data)
+    def to_internal_value(self, data: Any) -> Any:
+        return data
 
     def to_representation(self, value: Any) -> Any:
         return value
@@ -82,6 +82,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+@extend_schema_field(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_COMPLETION_PROMPTS},
+            _TOKEN_IDS,
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_COMPLETION_PROMPTS},
+        ]
+    }
+)
 class PromptField(serializers.Field):
     """`prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists.
 
@@ -113,128 +126,153 @@ class PromptField(serializers.Field):
         return value
 
 
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-class MessagesField(serializers.Field):
-    """`messages`: role + text content (a string or a list of text parts); assistant messages may
-    carry `tool_calls` (then content may be null), `tool` messages a `tool_call_id`. Internal value:
-    [{"role", "content": str, "tool_calls"?: [...], "tool_call_id"?: str}], with `developer` read
-    as `system` (as OpenAI does for older models)."""
-
-    def to_internal_value(self, data: Any) -> list[dict[str, Any]]:
-        if not isinstance(data, list) or not data:
-            raise serializers.ValidationError("messages must be a non-empty list.")
-        out: list[dict[str, Any]] = []
-        for i, message in enumerate(data):
-            if not isinstance(message, dict):
-                raise serializers.ValidationError(f"messages[{i}] must be an object.")
-            role = message.get("role")
-            if "function_call" in message:
-                raise serializers.ValidationError(
-                    f"messages[{i}].function_call is not supported; use tool_calls."
-                )
-            if role not in _ROLES:
-                raise serializers.ValidationError(
-                    f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}."
-                )
-            calls = message.get("tool_calls")
-            if calls is not None and role != "assistant":
-                raise serializers.ValidationError(f"messages[{i}]: only assistant messages have tool_calls.")
-            item: dict[str, Any] = {"role": "system" if role == "developer" else role}
-            if calls:
-                item["tool_calls"] = _tool_calls(calls, i)
-                item["content"] = "" if message.get("content") is None else _text(message, i)
-            else:
-                item["content"] = _text(message, i)
-            if role == "tool":
-                call_id = message.get("tool_call_id")
-                if not isinstance(call_id, str) or not call_id:
-                    raise serializers.ValidationError(
-                        f"messages[{i}].tool_call_id must be a non-empty string."
-                    )
-                item["tool_call_id"] = call_id
-            out.append(item)
-        return out
-
-    def to_representation(self, value: Any) -> Any:
-        return value
-
-
-def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise serializers.ValidationError(f"messages[{i}].tool_calls must be a list.")
-    out = []
-    for j, call in enumerate(calls):
-        where = f"messages[{i}].tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if (
-            not isinstance(function, dict)
-            or call.get("type", "function") != "function"
-            or not isinstance(function.get("name"), str)
-            or not isinstance(function.get("arguments", ""), str)
-        ):
-            raise serializers.ValidationError(
-                f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}"
-                " with arguments as a JSON string."
-            )
-        out.append(
-            {
-                "id": str(call.get("id") or ""),
-                "type": "function",
-                "function": {"name": function["name"], "arguments": function.get("arguments") or "{}"},
-            }
-        )
-    return out
-
-
-def _text(message: dict, i: int) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise serializers.ValidationError(f"messages[{i}].content: only text parts are supported.")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise serializers.ValidationError(f"messages[{i}].content must be a string or a list of text parts.")
-
-
 class StreamOptionsSerializer(serializers.Serializer):
     include_usage = serializers.BooleanField(required=False, default=False)
 
 
-class SamplingInputSerializer(serializers.Serializer):
-    """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
+@extend_schema_field(
+    {
+        "type": "object",
+        "description": "Token ids (as strings) to the bias added to their logits.",
+        "propertyNames": {"pattern": f"^[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$"},
+        "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+    }
+)
+class LogitBiasField(serializers.DictField):
+    pass
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "description": "vLLM's structured outputs: exactly one of json, regex, choice, grammar, json_object.",
+        "properties": {
+            "json": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+            "regex": {"type": "string", "minLength": 1},
+            "choice": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "maxItems": MAX_CHOICES,
+            },
+            "grammar": {"type": "string", "minLength": 1},
+            "json_object": {"const": True},
+            "disable_any_whitespace": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    }
+)
+class StructuredOutputsField(serializers.JSONField):
+    pass
+
+
+def sampling_number(name: str) -> serializers.FloatField:
+    """An optional number of the engine's SamplingParams: its range is checked there (one
+    validator), and the API's schema shows it from the same table."""
+    low, high, low_open = NUMBER_RANGES[name]
+    schema: dict[str, Any] = {"type": "number", ("exclusiveMinimum" if low_open else "minimum"): low}
+    if math.isfinite(high):
+        schema["maximum"] = high
+    return _documented(serializers.FloatField, schema)(required=False, allow_null=True)
+
+
+def sampling_integer(name: str) -> serializers.IntegerField:
+    """An optional integer of the engine's SamplingParams (see sampling_number)."""
+    low, high = INTEGER_RANGES[name]
+    schema: dict[str, Any] = {"type": "integer"}
+    if low is not None:
+        schema["minimum"] = low
+    if high is not None:
+        schema["maximum"] = high
+    return _documented(serializers.IntegerField, schema)(required=False, allow_null=True)
+
+
+def _documented(base: type[serializers.Field], schema: dict[str, Any]) -> Any:
+    # A subclass, not the instance, carries the schema: serializers deep-copy their declared
+    # fields by constructing them again, which would drop an instance's attributes.
+    return extend_schema_field(schema)(type(base.__name__, (base,), {}))
+
+
+# Body fields checked by building the engine's own SamplingParams from them.
+SAMPLING_PARAMS_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "min_tokens",
+    "ignore_eos",
+    "logit_bias",
+    "prompt_logprobs",
+)
+
+
+def sampling_params_check(attrs: dict[str, Any]) -> None:
+    """Build the engine's SamplingParams from the body's sampling fields (the one validator of
+    them); its error is a 400 naming the field. Parsed values (stop as a list, logit_bias keyed by
+    token id) replace the body's. min_tokens against max_tokens is checked once the plan knows
+    max_tokens (it may depend on the prompt's length)."""
+    given = {name: attrs[name] for name in SAMPLING_PARAMS_FIELDS if attrs.get(name) is not None}
+    try:
+        params = SamplingParams(**given, max_tokens=max(1, given.get("min_tokens") or 0))
+    except SamplingParamsError as exc:
+        raise serializers.ValidationError({exc.param: str(exc)}) from None
+    if "stop" in attrs:
+        attrs["stop"] = params.stop
+    if "logit_bias" in attrs:
+        attrs["logit_bias"] = params.logit_bias
+
+
+@extend_schema_field({"type": "boolean", "enum": [False, None], "description": "Completions are not stored."})
+class StoreField(serializers.BooleanField):
+    pass
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "maxProperties": MAX_METADATA_PAIRS,
+        "propertyNames": {"maxLength": MAX_METADATA_KEY},
+        "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
+    }
+)
+class MetadataField(serializers.DictField):
+    pass
+
+
+class SamplingInputSerializer(StrictSerializer):
+    """Fields shared by chat and text completions (OpenAI's plus vLLM's extras). Unknown and
+    unsupported fields are refused first, by `refuse_unsupported`, with an error naming them."""
 
     model = ModelField(max_length=200)
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
-    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=MAX_N)
+    # The sampling parameters: their ranges are the engine's (sampling_params_check).
+    temperature = sampling_number("temperature")
+    top_p = sampling_number("top_p")
+    n = sampling_integer("n")
     stop = StopField(required=False, allow_null=True)
-    seed = serializers.IntegerField(required=False, allow_null=True)
-    presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
-    frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
+    seed = sampling_integer("seed")
+    presence_penalty = sampling_number("presence_penalty")
+    frequency_penalty = sampling_number("frequency_penalty")
     stream = serializers.BooleanField(required=False, allow_null=True, default=False)
     stream_options = StreamOptionsSerializer(required=False, allow_null=True)
     # vLLM's extras.
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=-1)
-    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    repetition_penalty = serializers.FloatField(required=False, allow_null=True, min_value=0.0)
-    min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    top_k = sampling_integer("top_k")
+    min_p = sampling_number("min_p")
+    repetition_penalty = sampling_number("repetition_penalty")
+    min_tokens = sampling_integer("min_tokens")
     ignore_eos = serializers.BooleanField(required=False, allow_null=True)
-    logit_bias = serializers.DictField(required=False, allow_null=True)
+    logit_bias = LogitBiasField(required=False, allow_null=True)
     # vLLM's extra: a grammar the output must match (json, regex, choice, grammar or json_object).
-    structured_outputs = serializers.JSONField(required=False, allow_null=True)
+    structured_outputs = StructuredOutputsField(required=False, allow_null=True)
     # vLLM's extra: logprobs of the prompt's tokens, with this many top entries each (0..20).
-    prompt_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20)
+    prompt_logprobs = sampling_integer("prompt_logprobs")
     # The caller's identifiers, recorded in the usage ledger (safety_identifier and
     # prompt_cache_key replace `user` in the current SDKs).
     user = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
@@ -242,12 +280,12 @@ class SamplingInputSerializer(serializers.Serializer):
         required=False, allow_null=True, allow_blank=True, max_length=64
     )
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=64)
-    metadata = serializers.DictField(
+    metadata = MetadataField(
         child=serializers.CharField(allow_blank=True, max_length=MAX_METADATA_VALUE),
         required=False,
         allow_null=True,
     )
-    store = serializers.BooleanField(required=False, allow_null=True)
+    store = StoreField(required=False, allow_null=True)
     # OpenAI's processing tier; which ones a tenant may use is the operator's choice.
     service_tier = serializers.ChoiceField(choices=SERVICE_TIERS, required=False, allow_null=True)
     # Seconds the request may wait to start before it is dropped (also taken from the SDK's
@@ -266,36 +304,6 @@ class SamplingInputSerializer(serializers.Serializer):
             raise serializers.ValidationError("store is not supported: completions are not stored.")
         return value
 
-    def validate_top_p(self, value: float | None) -> float | None:
-        if value is not None and value <= 0:
-            raise serializers.ValidationError("top_p must be greater than 0.")
-        return value
-
-    def validate_repetition_penalty(self, value: float | None) -> float | None:
-        if value is not None and value <= 0:
-            raise serializers.ValidationError("repetition_penalty must be greater than 0.")
-        return value
-
-    def validate_logit_bias(self, value: dict | None) -> dict[int, float] | None:
-        if not value:
-            return None
-        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-            raise serializers.ValidationError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} token ids.")
-        out: dict[int, float] = {}
-        for key, bias in value.items():
-            if not (isinstance(key, str) and key.isdigit()):
-                raise serializers.ValidationError(f"logit_bias keys must be token ids, got {key!r}.")
-            if (
-                isinstance(bias, bool)
-                or not isinstance(bias, int | float)
-                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
-            ):
-                raise serializers.ValidationError(
-                    f"logit_bias values must be numbers from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got {bias!r}."
-                )
-            out[int(key)] = float(bias)
-        return out
-
     def validate_structured_outputs(self, value: Any) -> dict | None:
         try:
             return structured_outputs_check(value)
@@ -303,6 +311,7 @@ class SamplingInputSerializer(serializers.Serializer):
             raise serializers.ValidationError(str(exc)) from exc
 
     def validate(self, attrs: dict) -> dict:
+        sampling_params_check(attrs)
         if attrs.get("prompt_logprobs") is not None and attrs.get("stream"):
             raise serializers.ValidationError(
                 {"prompt_logprobs": "prompt_logprobs is not supported with stream; ask without streaming."}

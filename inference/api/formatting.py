@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from inference.api.chat_output import chat_message
@@ -112,21 +113,45 @@ def _echo_logprobs(
     return body
 
 
-def _text_choice(plan: GenerationPlan, c: CollectedChoice) -> dict[str, Any]:
+@dataclass(slots=True)
+class _PromptParts:
+    """What every choice of one prompt repeats, built once for all n of them: the echoed prompt's
+    legacy logprobs and vLLM's prompt_logprobs (the choices' bodies share these objects)."""
+
+    echoed: dict[str, Any] | None = None
+    echo_end: int = 0  # the echoed tokens' text length: where the completion's offsets start
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+
+def _prompt_parts(plan: GenerationPlan, c: CollectedChoice, prompt_index: int) -> _PromptParts:
+    parts = _PromptParts()
+    if plan.echo and plan.logprobs is not None:
+        parts.echoed = _echo_logprobs(plan, c.prompt_logprobs or [], plan.prompts[prompt_index])
+        tokens, offsets = parts.echoed["tokens"], parts.echoed["text_offset"]
+        parts.echo_end = offsets[-1] + len(tokens[-1]) if tokens else 0
+    if plan.prompt_logprobs is not None:
+        parts.prompt_logprobs = prompt_logprobs_body(plan, c.prompt_logprobs)
+    return parts
+
+
+def _text_choice(plan: GenerationPlan, c: CollectedChoice, parts: _PromptParts) -> dict[str, Any]:
     prompt_index = c.index // plan.n
     text, logprobs = c.text, completion_logprobs(plan, c.logprobs, offset=0)
     if plan.echo:
-        prompt_text = plan.prompt_texts[prompt_index]
-        text = prompt_text + c.text
-        if logprobs is not None:
-            echoed = _echo_logprobs(plan, c.prompt_logprobs or [], plan.prompts[prompt_index])
-            end = echoed["text_offset"][-1] + len(echoed["tokens"][-1]) if echoed["tokens"] else 0
-            logprobs = {
-                "tokens": echoed["tokens"] + logprobs["tokens"],
-                "token_logprobs": echoed["token_logprobs"] + logprobs["token_logprobs"],
-                "top_logprobs": echoed["top_logprobs"] + logprobs["top_logprobs"],
-                "text_offset": echoed["text_offset"] + [end + o for o in logprobs["text_offset"]],
-            }
+        text = plan.prompt_texts[prompt_index] + c.text
+        if logprobs is not None and parts.echoed is not None:
+            echoed, end = parts.echoed, parts.echo_end
+            # max_tokens 0 (lm-evaluation-harness's scoring): the prompt's own body, shared.
+            logprobs = (
+                echoed
+                if not logprobs["tokens"]
+                else {
+                    "tokens": echoed["tokens"] + logprobs["tokens"],
+                    "token_logprobs": echoed["token_logprobs"] + logprobs["token_logprobs"],
+                    "top_logprobs": echoed["top_logprobs"] + logprobs["top_logprobs"],
+                    "text_offset": echoed["text_offset"] + [end + o for o in logprobs["text_offset"]],
+                }
+            )
     choice: dict[str, Any] = {
         "index": c.index,
         "text": text,
@@ -134,7 +159,7 @@ def _text_choice(plan: GenerationPlan, c: CollectedChoice) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
     }
     if plan.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_body(plan, c.prompt_logprobs)
+        choice["prompt_logprobs"] = parts.prompt_logprobs
     return choice
 
 
@@ -178,9 +203,20 @@ def text_completion_body(
         "model": plan.served_model,
         "system_fingerprint": None,
         "service_tier": plan.service_tier,
-        "choices": [_text_choice(plan, c) for c in choices],
+        "choices": _text_choices(plan, choices),
         "usage": usage_body(usage),
     }
+
+
+def _text_choices(plan: GenerationPlan, choices: list[CollectedChoice]) -> list[dict[str, Any]]:
+    parts: dict[int, _PromptParts] = {}
+    out = []
+    for c in choices:
+        prompt_index = c.index // plan.n
+        if prompt_index not in parts:
+            parts[prompt_index] = _prompt_parts(plan, c, prompt_index)
+        out.append(_text_choice(plan, c, parts[prompt_index]))
+    return out
 
 
 def chunk(

@@ -6,17 +6,22 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_serializer
 from rest_framework import serializers
 
 from core.api.base import validated
 from core.api.exceptions import to_platform_error
 from core.errors import InvalidRequestError
 from engine.rules import MAX_LOGPROBS, MAX_SEQUENCES_PER_REQUEST
-from inference.api.fields import MessagesField, PromptField, SamplingInputSerializer, refuse_unsupported
-from inference.api.tool_fields import ResponseFormatField, ToolsField, tool_choice_check
+from inference.api.fields import PromptField, SamplingInputSerializer, refuse_unsupported
+from inference.api.message_fields import MessagesField
+from inference.api.tool_fields import ResponseFormatField, ToolChoiceField, ToolsField, tool_choice_check
 
 
+@extend_schema_serializer(component_name="CreateChatCompletion")
 class ChatCompletionInputSerializer(SamplingInputSerializer):
+    """The body of POST /v1/chat/completions: OpenAI's fields, and vLLM's extras."""
+
     messages = MessagesField()
     max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     logprobs = serializers.BooleanField(required=False, allow_null=True, default=False)
@@ -26,7 +31,7 @@ class ChatCompletionInputSerializer(SamplingInputSerializer):
     # Internal value: the structured output spec it asks for (None for text).
     response_format = ResponseFormatField(required=False, allow_null=True)
     tools = ToolsField(required=False, allow_null=True)
-    tool_choice = serializers.JSONField(required=False, allow_null=True)
+    tool_choice = ToolChoiceField(required=False, allow_null=True)
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
 
     def validate(self, attrs: dict) -> dict:
@@ -47,7 +52,10 @@ class ChatCompletionInputSerializer(SamplingInputSerializer):
         return attrs
 
 
+@extend_schema_serializer(component_name="CreateCompletion")
 class CompletionInputSerializer(SamplingInputSerializer):
+    """The body of POST /v1/completions: OpenAI's fields, and vLLM's extras."""
+
     prompt = PromptField()
     # 0 only with echo: the prompt (and its logprobs) without a completion.
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)

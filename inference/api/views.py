@@ -6,16 +6,41 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
+from rest_framework import serializers
 
 from core.api.base import ApiView
+from core.api.openapi import api_errors
 from inference.api import formatting
 from inference.api.base import GenerationApi
+from inference.api.responses import EVENT_STREAM, ChatCompletionSerializer, CompletionSerializer
 from inference.api.serializers import ChatCompletionInputSerializer, CompletionInputSerializer
 from inference.selectors import adapter_list_servable, deployment_list_for_caller
 from inference.services import served_model_resolve
 
 
+@extend_schema_serializer(component_name="Model")
+class ModelOutputSerializer(serializers.Serializer):
+    """A base model, or one of the organization's adapters (with its base model as `parent`)."""
+
+    id = serializers.CharField()
+    object = serializers.ChoiceField(choices=["model"])
+    created = serializers.IntegerField()
+    owned_by = serializers.CharField()
+    parent = serializers.CharField(required=False)
+
+
 class ModelListApi(ApiView):
+    @extend_schema_serializer(component_name="ModelList")
+    class OutputSerializer(serializers.Serializer):
+        object = serializers.ChoiceField(choices=["list"])
+        data = ModelOutputSerializer(many=True)
+
+    @extend_schema(
+        operation_id="listModels",
+        summary="List the models the key may use",
+        responses={200: OutputSerializer, **api_errors()},
+    )
     async def get(self, request: HttpRequest) -> dict[str, Any]:
         deployments = await sync_to_async(deployment_list_for_caller)(auth=self.auth)
         adapters = await sync_to_async(adapter_list_servable)(auth=self.auth)
@@ -30,6 +55,12 @@ class ModelRetrieveApi(ApiView):
     """One model as GET /v1/models lists it; another tenant's adapter is model_not_found, exactly
     as a name that does not exist."""
 
+    @extend_schema(
+        operation_id="retrieveModel",
+        summary="Retrieve a model",
+        parameters=[OpenApiParameter("model", str, OpenApiParameter.PATH, description="The model's id.")],
+        responses={200: ModelOutputSerializer, **api_errors(404)},
+    )
     async def get(self, request: HttpRequest, model: str) -> dict[str, Any]:
         served = await sync_to_async(served_model_resolve)(auth=self.auth, model=model)
         return formatting.model_object(
@@ -41,6 +72,19 @@ class ChatCompletionCreateApi(GenerationApi):
     kind = "chat"
     InputSerializer = ChatCompletionInputSerializer
 
+    @extend_schema(
+        operation_id="createChatCompletion",
+        summary="Create a chat completion",
+        request=ChatCompletionInputSerializer,
+        responses={
+            (200, "application/json"): ChatCompletionSerializer,
+            (200, "text/event-stream"): EVENT_STREAM,
+            **api_errors(400, 404, 413),
+        },
+    )
+    async def post(self, request: HttpRequest):
+        return await super().post(request)
+
     def response_body(self, plan, choices, usage) -> dict[str, Any]:
         return formatting.chat_completion_body(plan, choices, usage)
 
@@ -48,6 +92,19 @@ class ChatCompletionCreateApi(GenerationApi):
 class CompletionCreateApi(GenerationApi):
     kind = "completion"
     InputSerializer = CompletionInputSerializer
+
+    @extend_schema(
+        operation_id="createCompletion",
+        summary="Create a text completion",
+        request=CompletionInputSerializer,
+        responses={
+            (200, "application/json"): CompletionSerializer,
+            (200, "text/event-stream"): EVENT_STREAM,
+            **api_errors(400, 404, 413),
+        },
+    )
+    async def post(self, request: HttpRequest):
+        return await super().post(request)
 
     def response_body(self, plan, choices, usage) -> dict[str, Any]:
         return formatting.text_completion_body(plan, choices, usage)

@@ -9,6 +9,8 @@ same counts; places older than STALE_S are dropped, so a web process that died l
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -17,26 +19,33 @@ from django.conf import settings
 
 from core.redis_client import get_async_redis
 
+logger = logging.getLogger(__name__)
+_RELEASES: set[asyncio.Future] = set()
+
 # A place held this long belongs to a request whose web process died: no wait is that long.
 STALE_S = 3600
 DRAIN_WINDOW_S = 60
 MAX_RETRY_AFTER_S = 60
 
-# KEYS: model queue, tenant queue, model starts. ARGV: now, rid, model max, tenant max (-1: none),
-# stale horizon, drain window start. Returns {0} when a place was taken, else {1 (model) or
-# 2 (tenant), places held, starts within the window}.
+# KEYS: model queue, tenant queue, model starts. ARGV: now, model max, tenant max (-1: none), stale
+# horizon, drain window start, TTL, then the request ids. All of a request's places are taken in
+# one call or none is: a caller cancelled mid-way cannot leave some of them held. Returns {0} when
+# they were taken, else {1 (model) or 2 (tenant), places held, starts within the window}.
 _TAKE = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[5])
-local starts = redis.call('ZCOUNT', KEYS[3], ARGV[6], '+inf')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+local wanted = #ARGV - 6
+local starts = redis.call('ZCOUNT', KEYS[3], ARGV[5], '+inf')
 local held = redis.call('ZCARD', KEYS[1])
-if tonumber(ARGV[3]) >= 0 and held >= tonumber(ARGV[3]) then return {1, held, starts} end
+if tonumber(ARGV[2]) >= 0 and held + wanted > tonumber(ARGV[2]) then return {1, held, starts} end
 local mine = redis.call('ZCARD', KEYS[2])
-if tonumber(ARGV[4]) >= 0 and mine >= tonumber(ARGV[4]) then return {2, mine, starts} end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[7])
-redis.call('EXPIRE', KEYS[2], ARGV[7])
+if tonumber(ARGV[3]) >= 0 and mine + wanted > tonumber(ARGV[3]) then return {2, mine, starts} end
+for i = 7, #ARGV do
+  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
 return {0}
 """
 
@@ -64,31 +73,49 @@ def retry_after(*, starts_in_window: int, ahead: int) -> int:
 async def queue_place_take(
     *, model: str, tenant: str, request_ids: list[str], model_max: int | None, tenant_max: int | None
 ) -> QueueFull | None:
-    """Take a place for each of a request's engine requests, or say which bound is full."""
-    redis = get_async_redis()
-    keys = _keys(model, tenant)
+    """Take a place for each of a request's engine requests (all or none), or say which bound is full.
+
+    Cancelled while the script runs (the places may be taken, the reply never read), it gives them
+    back before the cancellation goes on: only a caller that got None holds places."""
+    if not request_ids:
+        return None
     now = time.time()
-    taken: list[str] = []
-    for rid in request_ids:
-        reply = await redis.eval(
+    reply = None
+    try:
+        reply = await get_async_redis().eval(
             _TAKE,
             3,
-            *keys,
+            *_keys(model, tenant),
             now,
-            rid,
             -1 if model_max is None else model_max,
             -1 if tenant_max is None else tenant_max,
             now - STALE_S,
             now - DRAIN_WINDOW_S,
             STALE_S,
+            *request_ids,
         )
-        if int(reply[0]) != 0:
-            await queue_place_release(model=model, tenant=tenant, request_ids=taken)
-            scope, held, starts = ("model" if int(reply[0]) == 1 else "tenant"), int(reply[1]), int(reply[2])
-            bound = model_max if scope == "model" else tenant_max
-            return QueueFull(scope, held, retry_after(starts_in_window=starts, ahead=held - (bound or 0) + 1))
-        taken.append(rid)
-    return None
+    finally:
+        if reply is None:
+            # A task of its own, shielded and referenced: a second cancellation cannot cut it short.
+            release = asyncio.ensure_future(
+                _release_quietly(model=model, tenant=tenant, request_ids=request_ids)
+            )
+            _RELEASES.add(release)
+            release.add_done_callback(_RELEASES.discard)
+            await asyncio.shield(release)
+    if int(reply[0]) == 0:
+        return None
+    scope, held, starts = ("model" if int(reply[0]) == 1 else "tenant"), int(reply[1]), int(reply[2])
+    bound = (model_max if scope == "model" else tenant_max) or 0
+    ahead = held + len(request_ids) - bound
+    return QueueFull(scope, held, retry_after(starts_in_window=starts, ahead=ahead))
+
+
+async def _release_quietly(*, model: str, tenant: str, request_ids: list[str]) -> None:
+    try:
+        await queue_place_release(model=model, tenant=tenant, request_ids=request_ids)
+    except Exception:  # Redis unreachable: the places expire with STALE_S
+        logger.exception("could not give back the queue places of %s", request_ids[0])
 
 
 async def queue_place_release(

@@ -61,6 +61,8 @@ class StreamReader:
         self._wake_key = f"{prefix}out-wake:{uuid.uuid4().hex}".encode()
         self._wake_position = b"0-0"
         self._task: asyncio.Task | None = None
+        self.num_reads = 0  # XREAD calls made
+        self.num_streams_read = 0  # output streams in the latest XREAD (while one is out: in it)
 
     @property
     def num_streams(self) -> int:
@@ -136,6 +138,8 @@ class StreamReader:
             while self._streams:
                 keys = {self._wake_key: self._wake_position}
                 keys.update((key, stream.position) for key, stream in self._streams.items())
+                self.num_reads += 1
+                self.num_streams_read = len(keys) - 1
                 try:
                     reply = await redis.xread(keys, count=COUNT, block=BLOCK_MS)
                 except REDIS_CONNECTION_ERRORS as exc:

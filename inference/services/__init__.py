@@ -1,4 +1,8 @@
-"""Serving-path services. Views and consumers import from here."""
+"""The inference app's services: the functions that do its work, called by the /v1 views, the
+websocket consumer, the admin, the dashboard and the Celery tasks, which hold no rules of their own.
+
+This package re-exports the generation path (plans, tokenization, `generation_start`); the other
+services (adapters, deployments, the settler) are imported from their own modules."""
 
 from __future__ import annotations
 

@@ -18,12 +18,16 @@ from typing import BinaryIO, Protocol
 from core.errors import InvalidRequestError
 from engine.rules import ADAPTER_CONFIG_FILE as CONFIG_NAME
 from engine.rules import ADAPTER_WEIGHTS_FILE as WEIGHTS_NAME
+from inference.services.zip_directory import NotAZipError, zip_directory
 
 # Loading any of these runs pickle, which executes code chosen by whoever wrote the file.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz")
 _CHUNK = 1024 * 1024
 # An adapter archive holds two files; a few more (a README, a folder) are tolerated, thousands are not.
 MAX_ARCHIVE_ENTRIES = 16
+# Sixteen entries' directory records (46 bytes and a name each) take a few KiB. The declared size is
+# checked from the archive's end records before zipfile reads and parses the directory.
+MAX_ARCHIVE_DIRECTORY_BYTES = 64 * 1024
 # A LoRA's safetensors header lists a few hundred tensors (tens of KiB); it is refused, unparsed,
 # beyond this.
 MAX_SAFETENSORS_HEADER_BYTES = 8 * 1024 * 1024
@@ -39,6 +43,8 @@ class Upload(Protocol):
     def chunks(self, chunk_size: int | None = None) -> Iterable[bytes]: ...
 
     def seek(self, offset: int, whence: int = 0) -> int: ...
+
+    def read(self, size: int = -1) -> bytes: ...
 
 
 class AdapterUploadError(InvalidRequestError):
@@ -121,7 +127,30 @@ def _entry_escapes(info: zipfile.ZipInfo) -> bool:
     )
 
 
+def _check_zip_directory(upload: Upload) -> None:
+    """Refuse, from the archive's end records alone, a directory too large to be parsed."""
+    try:
+        directory = zip_directory(upload)
+    except (NotAZipError, OSError) as exc:
+        raise AdapterUploadError(f"The archive is not a valid zip file ({exc}).", param="file") from exc
+    if directory.entries > MAX_ARCHIVE_ENTRIES:
+        raise AdapterUploadError(
+            f"The archive's directory lists {directory.entries} entries; an adapter archive may hold at "
+            f"most {MAX_ARCHIVE_ENTRIES}. {_usage_hint()}",
+            param="file",
+            code="unsafe_archive",
+        )
+    if directory.size > MAX_ARCHIVE_DIRECTORY_BYTES:
+        raise AdapterUploadError(
+            f"The archive's directory takes {directory.size} bytes; an adapter archive's may take at "
+            f"most {MAX_ARCHIVE_DIRECTORY_BYTES}. {_usage_hint()}",
+            param="file",
+            code="unsafe_archive",
+        )
+
+
 def _extract_zip(upload: Upload, *, target: Path, max_bytes: int) -> int:
+    _check_zip_directory(upload)
     upload.seek(0)
     try:
         archive = zipfile.ZipFile(upload)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from typing import Any
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError, RateLimitError, ServiceUnavailableError
 from core.redis_client import REDIS_CONNECTION_ERRORS
-from engine.protocol import Event, GenerateRequest, usage_key
+from engine.protocol import ErrorCode, Event, FinishReason, GenerateRequest, usage_key
 from inference import metrics
 from inference.gateway import (
     EngineGateway,
@@ -39,6 +39,7 @@ from inference.gateway import (
     ready_replica_ids_async,
 )
 from inference.gateway.queue_bounds import queue_place_release, queue_place_take
+from inference.services.logprob_bounds import prompt_logprob_volume_check
 from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
 from inference.services.settler import OWNER_ID, owner_ensure_beating
 from tenants.services import admission_reserve, request_admit, settlement_close
@@ -50,7 +51,30 @@ logger = logging.getLogger(__name__)
 POLL_MS = 500
 # Releases of reservations whose request was cancelled during admission, held until they are done.
 _UNQUEUED_RELEASES: set[asyncio.Future] = set()
-_CLIENT_ERROR_CODES = {"invalid_request", "request_too_large", "context_length_exceeded"}
+# What each engine error code is to the client: its own request's fault (a 400, billed what was
+# computed), a request dropped unstarted (a 503, nothing billed), or the platform's failure (a 500
+# naming the code). Every ErrorCode has an entry (a test checks it); a code this process does not
+# know (a newer engine's) is the platform's failure.
+_CLIENT, _DROPPED, _SERVER = "client", "dropped", "server"
+ENGINE_ERROR_KINDS: dict[ErrorCode, str] = {
+    ErrorCode.INVALID_REQUEST: _CLIENT,
+    ErrorCode.REQUEST_TOO_LARGE: _CLIENT,
+    # The sender's grammar: its masks cost too much per token, or it compiled past the timeout.
+    ErrorCode.GRAMMAR_TOO_COSTLY: _CLIENT,
+    ErrorCode.GRAMMAR_COMPILE_TIMEOUT: _CLIENT,
+    ErrorCode.QUEUE_TIMEOUT: _DROPPED,
+    ErrorCode.ENGINE_ERROR: _SERVER,
+    ErrorCode.LORA_UNAVAILABLE: _SERVER,
+    ErrorCode.LORA_LOAD_FAILED: _SERVER,
+}
+# How each way a choice can end reaches the client: a finish_reason it is given, or None where the
+# request fails instead (its error event says why).
+FINISH_REASONS: dict[FinishReason, str | None] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: None,
+    FinishReason.ERROR: None,
+}
 # How long a running stream waits for an unreachable Redis before it fails.
 REDIS_OUTAGE_GRACE_S = 30.0
 # Longest wait between two tries of the end-of-request bookkeeping while Redis is unreachable.
@@ -97,15 +121,16 @@ def engine_unavailable(model: str) -> ServiceUnavailableError:
 
 def _engine_error(event: Event) -> PlatformError:
     message = event.message or "The engine failed while generating."
-    if event.code == "queue_timeout":
+    kind = ENGINE_ERROR_KINDS.get(event.code)  # type: ignore[call-overload]  # str keys: StrEnum
+    if kind == _DROPPED:
         return ServiceUnavailableError(
             "The request waited to start longer than its timeout allowed and was dropped; nothing "
             "was billed. Retry later, or with a longer timeout.",
-            code="queue_timeout",
+            code=ErrorCode.QUEUE_TIMEOUT,
         )
-    if event.code in _CLIENT_ERROR_CODES:
+    if kind == _CLIENT:
         return InvalidRequestError(message, code=event.code)
-    return PlatformError(message, code=event.code or "engine_error")
+    return PlatformError(message, code=event.code or ErrorCode.ENGINE_ERROR)
 
 
 @dataclass
@@ -299,7 +324,7 @@ class Generation:
                 if rid not in self._pending:
                     continue
                 if rid in self._queued:  # its first event: it started, or ended without starting
-                    await self._release_queue_places([rid], started=event.code != "queue_timeout")
+                    await self._release_queue_places([rid], started=event.code != ErrorCode.QUEUE_TIMEOUT)
                 if event.replica:
                     self._replicas[rid] = event.replica
                 if event.type == "error":
@@ -321,8 +346,11 @@ class Generation:
                     continue
                 for out in event.outputs:
                     reason = out.get("finish_reason")
-                    if reason not in ("stop", "length"):
-                        raise PlatformError(f"The engine ended the request ({reason}).", code="engine_error")
+                    if FINISH_REASONS.get(reason) is None:  # type: ignore[call-overload]  # str keys
+                        raise PlatformError(
+                            f"The engine ended the request ({reason}).", code=ErrorCode.ENGINE_ERROR
+                        )
+                    reason = FINISH_REASONS[reason]
                     finished[rid].add(int(out["index"]))
                     if plan.discard_output:
                         reason = "length"  # max_tokens 0 was reached before any token
@@ -378,7 +406,7 @@ class Generation:
             await self.gateway.forget(plan.engine_request_ids)
         except Exception:
             logger.exception("could not stop reading the streams of %s", plan.request_id)
-        if self.error_code == "queue_timeout":
+        if self.error_code == ErrorCode.QUEUE_TIMEOUT:
             self.usage.prompt_tokens = 0  # dropped before anything was computed
         engine_completion = sum(u.get("completion_tokens", 0) for u in self._engine_usage.values())
         # Finished: the engine's count. Cancelled or failed: what was produced and delivered.
@@ -485,6 +513,7 @@ async def generation_start(
         if not request_counted:
             await blocking(request_admit)(auth=auth, request_id=request_id)
         plan = await blocking(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
+        prompt_logprob_volume_check(plan)
         timeouts = [t for t in (client_timeout_s, data.get("timeout")) if t]
         generation = Generation(
             auth=auth,

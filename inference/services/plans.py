@@ -9,13 +9,14 @@ from typing import Any
 
 from core.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
 from engine.protocol import LoRARef
-from engine.rules import SERVICE_TIER_PRIORITY
+from engine.rules import SERVICE_TIER_PRIORITY, max_seqs_per_request
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.structured_output.grammar import grammar_check
 from engine.structured_output.spec import StructuredOutputsError
 from inference import tokenization
 from inference.models import LoraAdapter, ModelDeployment
 from inference.selectors import adapter_get_servable, deployment_get_enabled
-from inference.tool_calls import named_tool_schema, required_tools_schema
+from inference.tool_parsers import named_tool_schema, required_tools_schema
 from tenants.types import AuthContext
 
 # Body fields copied to the engine's sampling parameters as they are (None: the engine default).
@@ -139,6 +140,16 @@ def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, p
         )
 
 
+def _check_n(*, deployment, n: int) -> None:
+    """The deployment's engines run at most this many sequences of one request (a share of their
+    slots, so that one request never holds the whole batch): refused here, before anything is queued."""
+    limit = max_seqs_per_request(deployment.engine_settings)
+    if n > limit:
+        raise InvalidRequestError(
+            f"n may be at most {limit} for the model `{deployment.name}`, got {n}.", param="n"
+        )
+
+
 def _sampling(
     data: dict[str, Any],
     *,
@@ -170,11 +181,11 @@ def _sampling(
         params["logprobs"] = logprobs
     if prompt_logprobs is not None:
         params["prompt_logprobs"] = prompt_logprobs
-    if params.get("min_tokens", 0) > max_tokens:
-        raise InvalidRequestError(
-            f"min_tokens ({params['min_tokens']}) must be at most max_tokens ({max_tokens}).",
-            param="min_tokens",
-        )
+    try:
+        # The engine's own check, now that max_tokens is known (it may follow from the prompt).
+        SamplingParams.from_dict(params)
+    except SamplingParamsError as exc:
+        raise InvalidRequestError(str(exc), param=exc.param) from exc
     return params
 
 
@@ -222,10 +233,16 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         deployment, tools, choice, parallel=data.get("parallel_tool_calls") is not False
     )
     structured = tool_fields.pop("structured", None) or data.get("response_format")
-    prompt = tokenization.chat_prompt_ids(
-        deployment.model_path, data["messages"], tools=tools if choice != "none" else None
-    )
     requested = data.get("max_completion_tokens") or data.get("max_tokens")
+    fits = tokenization.PromptFit(
+        max_model_len=deployment.max_model_len,
+        completion_tokens=requested or 1,
+        what="messages",
+        param="messages",
+    )
+    prompt = tokenization.chat_prompt_ids(
+        deployment.model_path, data["messages"], tools=tools if choice != "none" else None, fits=fits
+    )
     # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
     max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
     _check_context(
@@ -236,6 +253,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         param="messages",
     )
     n = data.get("n") or 1
+    _check_n(deployment=deployment, n=n)
     logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
     prompt_logprobs = data.get("prompt_logprobs")
     stream, include_usage = _stream_flags(data)
@@ -296,20 +314,26 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
     target = served_model_resolve(auth=auth, model=data["model"])
     deployment = target.deployment
     vocab = tokenization.vocab_size(deployment.model_path)
-    prompts: list[list[int]] = []
-    for prompt in data["prompt"]:
-        if isinstance(prompt, str):
-            prompts.append(tokenization.text_prompt_ids(deployment.model_path, prompt))
-        else:
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
-            prompts.append(prompt)
     max_tokens = data.get("max_tokens")
     if max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     # max_tokens 0 (with echo: only the prompt is wanted, as lm-eval scores it): the engine runs the
     # prompt and samples one token that is neither returned nor billed.
     engine_max_tokens = max(max_tokens, 1)
+    fits = tokenization.PromptFit(
+        max_model_len=deployment.max_model_len,
+        completion_tokens=engine_max_tokens,
+        what="prompt",
+        param="prompt",
+    )
+    prompts: list[list[int]] = []
+    for prompt in data["prompt"]:
+        if isinstance(prompt, str):
+            prompts.append(tokenization.text_prompt_ids(deployment.model_path, prompt, fits=fits))
+        else:
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
+            prompts.append(prompt)
     for prompt in prompts:
         _check_context(
             deployment=deployment,
@@ -319,6 +343,7 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
             param="prompt",
         )
     n = data.get("n") or 1
+    _check_n(deployment=deployment, n=n)
     logprobs = data.get("logprobs")
     echo = bool(data.get("echo"))
     # echo with logprobs scores the prompt's tokens too, as OpenAI's legacy API and vLLM do.

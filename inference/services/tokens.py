@@ -30,11 +30,18 @@ def prompt_tokenize(
     """The token ids of a text prompt, or of a conversation rendered by the model's chat template
     ready for the assistant's turn (what /v1/chat/completions would queue)."""
     deployment = served_model_resolve(auth=auth, model=model).deployment
+    # Text that could not fit the context even in its most compact tokenization is refused unread.
+    fits = tokenization.PromptFit(
+        max_model_len=deployment.max_model_len,
+        completion_tokens=0,
+        what="messages" if messages is not None else "prompt",
+        param="messages" if messages is not None else "prompt",
+    )
     if messages is not None:
-        tokens = tokenization.chat_prompt_ids(deployment.model_path, messages)
+        tokens = tokenization.chat_prompt_ids(deployment.model_path, messages, fits=fits)
     else:
         tokens = tokenization.text_prompt_ids(
-            deployment.model_path, prompt or "", add_special_tokens=add_special_tokens
+            deployment.model_path, prompt or "", add_special_tokens=add_special_tokens, fits=fits
         )
     token_strs = None
     if with_token_strs:
@@ -44,6 +51,12 @@ def prompt_tokenize(
 
 def tokens_detokenize(*, auth: AuthContext, model: str, tokens: list[int]) -> str:
     deployment = served_model_resolve(auth=auth, model=model).deployment
+    if len(tokens) > deployment.max_model_len:
+        raise InvalidRequestError(
+            f"At most {deployment.max_model_len} token ids (the model's context length) are detokenized at "
+            f"once; {len(tokens)} were given.",
+            param="tokens",
+        )
     vocab = tokenization.vocab_size(deployment.model_path)
     if any(t >= vocab for t in tokens):
         raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="tokens")

@@ -53,14 +53,16 @@ def tiny_engine(
     lora: LoRAConfig | None = None,
     enable_prefix_caching: bool = True,
     max_num_seqs: int = 8,
+    structured_output=None,
 ) -> LLMEngine:
     """An LLMEngine of the tiny model with the sizes every serving test assumes; `lora` is an
     engine LoRAConfig, or None for a replica without adapters."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
     from engine.llm_engine import LLMEngine
 
     return LLMEngine.from_config(
         EngineConfig(
+            structured_output=structured_output or StructuredOutputConfig(),
             model=model_dir,
             device="cpu",
             dtype="float32",
@@ -77,7 +79,7 @@ def tiny_engine(
 
 @contextmanager
 def running_engine_worker(
-    world: World, *, lora: LoRAConfig | None = None, max_num_seqs: int = 8
+    world: World, *, lora: LoRAConfig | None = None, max_num_seqs: int = 8, structured_output=None
 ) -> Iterator[object]:
     """One real engine replica of the world's model (the tiny model's LLMEngine and the Redis loop,
     in a thread of this process), live once this yields. `lora` (an engine LoRAConfig) makes it a
@@ -86,7 +88,9 @@ def running_engine_worker(
 
     from engine.worker import EngineWorker, RequestQueue, WorkerSettings
 
-    engine = tiny_engine(world.deployment.model_path, lora=lora, max_num_seqs=max_num_seqs)
+    engine = tiny_engine(
+        world.deployment.model_path, lora=lora, max_num_seqs=max_num_seqs, structured_output=structured_output
+    )
     client = redis.Redis.from_url(settings.REDIS_URL)
     ws = WorkerSettings(
         model=world.model, prefix=settings.REDIS_PREFIX, heartbeat_interval_s=0.2, idle_block_ms=20

@@ -267,6 +267,13 @@ async def test_cache_salt_in_the_body_is_refused(world):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"model": 5}, "model"),
+        # Found by the schema fuzzer (500s before): a role that is not a string, and integers
+        # beyond the 64 bits the engine's wire format carries.
+        ({"messages": [{"role": {}, "content": "x"}]}, "messages"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 10**23}, "top_k"),
     ],
 )
 async def test_unsupported_or_invalid_fields_are_a_400_naming_the_param(world, extra, param):
@@ -475,3 +482,27 @@ async def test_entries_lost_from_an_output_stream_end_it_with_stream_interrupted
     assert await world.faults.cancels() == [request.request_id]
     [row] = await ledger(response["x-request-id"])
     assert (row.status, row.completion_tokens) == ("error", 2)
+
+
+async def test_a_grammar_too_costly_to_enforce_is_a_400_with_its_code_and_billed_its_prompt(world):
+    from engine.config import StructuredOutputConfig
+
+    # Given a replica whose bound on a mask's cost no grammar can meet
+    bound = StructuredOutputConfig(max_mask_ms=1e-9)
+    with running_engine_worker(world, structured_output=bound):
+        # When a request asks for a regex
+        response = await api_post(
+            world, URL, chat_body(world, max_tokens=8, structured_outputs={"regex": "[a-z]{1,20}"})
+        )
+        # Then it is refused as the sender's fault, with the engine's code and the limit
+        assert response.status_code == 400, response.content
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "grammar_too_costly")
+        # And a cached refusal keeps its code
+        again = await api_post(
+            world, URL, chat_body(world, max_tokens=8, structured_outputs={"regex": "[a-z]{1,20}"})
+        )
+        assert again.status_code == 400 and again.json()["error"]["code"] == "grammar_too_costly"
+    # And each started compile is billed for its prompt, nothing for completion
+    rows = await ledger(response["x-request-id"])
+    assert [(r.completion_tokens, r.prompt_tokens > 0) for r in rows] == [(0, True)]

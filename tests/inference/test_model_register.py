@@ -187,6 +187,36 @@ def test_an_unknown_engine_setting_is_refused_before_anything_is_written(tmp_pat
     assert not ModelDeployment.objects.exists()
 
 
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        ("max_num_seqs=lots", "max_num_seqs must be an integer"),
+        ("gpu_memory_utilization=true", "must be a number"),
+    ],
+)
+def test_an_engine_setting_of_the_wrong_kind_is_refused_before_anything_is_written(tmp_path, setting, error):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+
+    with pytest.raises(CommandError, match=error):
+        register("--name", "demo", "--path", str(path), "--engine-setting", setting)
+
+    assert not ModelDeployment.objects.exists()
+
+
+def test_the_registration_service_refuses_engine_settings_an_engine_would_refuse(tmp_path):
+    from core.errors import InvalidRequestError
+    from inference.services import deployment_register
+
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    with pytest.raises(InvalidRequestError, match="max_num_seqs must be an integer"):
+        deployment_register(name="demo", model_path=path, engine_settings={"max_num_seqs": "64 please"})
+    with pytest.raises(InvalidRequestError, match="unknown engine setting 'warp_speed'"):
+        deployment_register(name="demo", model_path=path, engine_settings={"warp_speed": 9})
+    assert not ModelDeployment.objects.exists()
+    deployment, _ = deployment_register(name="demo", model_path=path, engine_settings={"max_num_seqs": 64})
+    assert deployment.engine_settings == {"max_num_seqs": 64}
+
+
 def test_an_invalid_served_name_is_refused(tmp_path):
     path = model_dir(tmp_path / "m", max_position_embeddings=2048)
 
@@ -209,3 +239,19 @@ def test_engines_serve_adapters_unless_the_deployment_turns_them_off(tmp_path):
     out = io.StringIO()
     call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
     assert "--enable-lora" not in out.getvalue()
+
+
+def test_the_platforms_claim_timeout_reaches_the_engine_unless_the_deployment_sets_its_own(
+    tmp_path, settings
+):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    settings.REQUEST_CLAIM_TIMEOUT_MS = 4321
+    register("--name", "demo", "--path", str(path))
+    out = io.StringIO()
+    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
+    assert " --claim-timeout-ms=4321" in out.getvalue()
+
+    register("--name", "demo", "--path", str(path), "--engine-setting", "claim_timeout_ms=2000")
+    out = io.StringIO()
+    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
+    assert " --claim-timeout-ms=2000" in out.getvalue() and "4321" not in out.getvalue()

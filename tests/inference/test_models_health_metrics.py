@@ -4,6 +4,7 @@ engine replica publishing its heartbeats."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import pytest
@@ -100,6 +101,33 @@ async def test_a_model_whose_only_live_replica_is_draining_is_live_for_its_reque
     assert (response.status_code, response.json()["models"][world.model]["ready"]) == (200, True)
     assert await ready_replica_ids_async(world.model) == ["fault-injector-2"]
     assert sorted(await live_replica_ids_async(world.model)) == [world.faults.replica_id, "fault-injector-2"]
+
+
+async def test_ready_admission_and_the_engine_health_check_give_one_answer(world, operator_headers):
+    """A replica whose heartbeat is fresh but whose stats this process cannot decode (a newer
+    engine's) is ready for admission; /ready and engine_alive say the same, not "no replica"."""
+    from django.core.management import call_command
+
+    from engine.protocol import replica_stats_key
+    from inference.gateway import ready_replica_ids_async
+
+    await world.faults.heartbeat()
+    key = replica_stats_key(world.faults.prefix, world.model, world.faults.replica_id)
+    await sync_to_async(get_redis().set)(key, b'{"v": 999, "whatever": true}', ex=30)
+
+    assert await ready_replica_ids_async(world.model) == [world.faults.replica_id]
+    response = await AsyncClient().get("/ready", headers=operator_headers)
+    assert response.status_code == 200, response.json()
+    assert response.json()["models"][world.model]["ready"] is True
+    out = io.StringIO()
+    await sync_to_async(call_command)("engine_alive", "--model", world.model, stdout=out)
+    assert out.getvalue() == f"1 live replica(s) for {world.model}, 1 ready (not draining)\n"
+
+    await world.faults.heartbeat(draining=True)
+    out = io.StringIO()
+    await sync_to_async(call_command)("engine_alive", "--model", world.model, stdout=out)
+    assert out.getvalue() == f"1 live replica(s) for {world.model}, 0 ready (not draining)\n"
+    assert (await AsyncClient().get("/ready", headers=operator_headers)).status_code == 503
 
 
 async def _heartbeat_matching(worker) -> object:

@@ -85,6 +85,8 @@ def test_detokenize_round_trips(world, tokenizer):
         ("/detokenize", {"model": "M", "tokens": [-1]}, "tokens.0"),
         ("/detokenize", {"model": "M", "tokens": "abc"}, "tokens"),
         ("/detokenize", {"model": "M", "tokens": [10**9]}, "tokens"),
+        # Found by the schema fuzzer (a 500 before): a role that is not a string.
+        ("/tokenize", {"model": "M", "messages": [{"role": {}, "content": "x"}]}, "messages"),
     ],
 )
 def test_bad_bodies_are_400_naming_the_field(world, path, body, param):

@@ -35,7 +35,7 @@ def models_dir(settings, tmp_path: Path) -> Path:
     return root
 
 
-def _add(operator: Client, model_path: str):
+def _add(operator: Client, model_path: str, engine_settings: str = "{}"):
     return operator.post(
         "/admin/inference/modeldeployment/add/",
         {
@@ -43,7 +43,7 @@ def _add(operator: Client, model_path: str):
             "model_path": model_path,
             "max_model_len": "256",
             "dtype": "auto",
-            "engine_settings": "{}",
+            "engine_settings": engine_settings,
             "enabled": "on",
         },
     )
@@ -101,3 +101,23 @@ def test_revalidating_adapters_needs_the_change_permission(models_dir):
     assert attempt.status_code in (200, 302)
     adapter.refresh_from_db()
     assert adapter.status == "failed"  # nothing was scheduled
+
+
+@pytest.mark.parametrize(
+    ("engine_settings", "error"),
+    [
+        ('{"warp_speed": 9}', "unknown engine setting &#x27;warp_speed&#x27;"),
+        ('{"max_num_seqs": "lots"}', "max_num_seqs must be an integer"),
+        ('{"kv_cache_memory": "a lot"}', "not a size"),
+        ('{"enforce_eager": "yes"}', "enforce_eager must be true or false"),
+    ],
+)
+def test_engine_settings_an_engine_would_refuse_are_refused_in_the_admin(
+    operator, models_dir, engine_settings, error
+):
+    response = _add(operator, "tiny", engine_settings)
+
+    assert response.status_code == 200  # the form again, with the error
+    assert error in response.content.decode()
+    assert not ModelDeployment.objects.exists()
+    assert _add(operator, "tiny", '{"max_num_seqs": 16, "kv_cache_memory": "512MiB"}').status_code == 302

@@ -1,14 +1,12 @@
-"""Exit 0 when the model has at least one engine replica with a fresh heartbeat (container health check)."""
+"""Exit 0 when the model has at least one live engine replica (a fresh heartbeat): the engine
+container's health check. Live and ready are those of inference.gateway.replicas, which admission,
+routing and /ready use: a draining replica is live (it finishes its requests) but not ready."""
 
 from __future__ import annotations
 
-import time
-
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from core.redis_client import get_redis
-from engine.protocol import replicas_key
+from inference.gateway.replicas import live_replica_ids, ready_replica_ids
 
 
 class Command(BaseCommand):
@@ -18,8 +16,8 @@ class Command(BaseCommand):
         parser.add_argument("--model", required=True)
 
     def handle(self, *args, model: str, **options):
-        cutoff = time.time() - settings.ENGINE_HEARTBEAT_TTL
-        live = get_redis().zrangebyscore(replicas_key(settings.REDIS_PREFIX, model), cutoff, "+inf")
+        live = live_replica_ids(model)
         if not live:
             raise CommandError(f"no live engine replica for model {model!r}")
-        self.stdout.write(f"{len(live)} live replica(s) for {model}")
+        ready = ready_replica_ids(model)
+        self.stdout.write(f"{len(live)} live replica(s) for {model}, {len(ready)} ready (not draining)")

@@ -13,7 +13,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import PlatformError
-from engine.rules import ENGINE_SETTING_FLAGS, ENGINE_SETTING_SWITCHES
+from engine.rules import engine_settings_errors
 from inference.models import ModelDeployment
 from inference.services import deployment_register
 
@@ -24,13 +24,13 @@ def engine_setting(text: str) -> tuple[str, Any]:
     key = key.strip().replace("-", "_")
     if not sep or not key or not raw.strip():
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    known = {*ENGINE_SETTING_FLAGS, *ENGINE_SETTING_SWITCHES}
-    if key not in known:
-        raise argparse.ArgumentTypeError(f"unknown engine setting {key!r}; known: {', '.join(sorted(known))}")
     try:
         value = json.loads(raw)
     except ValueError:
         value = raw.strip()
+    errors = engine_settings_errors({key: value})
+    if errors:
+        raise argparse.ArgumentTypeError("; ".join(errors))
     return key, value
 
 

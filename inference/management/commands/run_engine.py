@@ -14,7 +14,12 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from engine.rules import ENGINE_SETTING_DEFAULTS, ENGINE_SETTING_FLAGS, ENGINE_SETTING_SWITCHES
+from engine.rules import (
+    ENGINE_SETTING_DEFAULTS,
+    ENGINE_SETTING_FLAGS,
+    ENGINE_SETTING_SWITCHES,
+    engine_settings_errors,
+)
 from inference.selectors import deployment_get_enabled
 
 
@@ -32,10 +37,9 @@ def serve_argv(
     The Redis URL is not on it (it may hold a password, and command lines are public): the engine
     reads REDIS_URL from the environment, which `engine_env` sets.
     """
-    unknown = sorted(set(engine_settings) - set(ENGINE_SETTING_FLAGS) - set(ENGINE_SETTING_SWITCHES))
-    if unknown:
-        known = ", ".join(sorted([*ENGINE_SETTING_FLAGS, *ENGINE_SETTING_SWITCHES]))
-        raise CommandError(f"model {name!r}: unknown engine_settings {unknown}; known: {known}")
+    errors = engine_settings_errors(engine_settings)
+    if errors:
+        raise CommandError(f"model {name!r}: engine_settings: {'; '.join(errors)}")
     heartbeat_ttl = float(settings.ENGINE_HEARTBEAT_TTL)
     argv = [
         sys.executable,
@@ -52,6 +56,8 @@ def serve_argv(
     if "heartbeat_interval" not in engine_settings:
         # Several beats per TTL, so one late beat does not make the replica look dead.
         argv.append(f"--heartbeat-interval={min(1.0, heartbeat_ttl / 3)}")
+    if "claim_timeout_ms" not in engine_settings:  # the deployment's own wins over the platform's
+        argv.append(f"{ENGINE_SETTING_FLAGS['claim_timeout_ms']}={settings.REQUEST_CLAIM_TIMEOUT_MS}")
     for key, value in {**ENGINE_SETTING_DEFAULTS, **engine_settings}.items():
         if key in ENGINE_SETTING_SWITCHES:
             if value:
