@@ -5,9 +5,11 @@ from __future__ import annotations
 from datetime import date, timedelta
 
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema, extend_schema_serializer, inline_serializer
 from rest_framework import serializers
 
 from core.api.base import ApiView, StrictSerializer, validated
+from core.api.openapi import api_errors
 from core.errors import InvalidRequestError
 from tenants.selectors import GROUP_BY_CHOICES, usage_summary
 
@@ -25,13 +27,32 @@ def _day_in_bounds(value: date) -> date:
     return value
 
 
+class _KeyPrefixField(serializers.CharField):
+    """A key's visible prefix as the key itself begins (sk-...); none without a prefix."""
+
+    def to_representation(self, value) -> str | None:
+        return f"sk-{value}" if value else None
+
+
 class UsageListApi(ApiView):
     """Usage of the calling key's tenant, in buckets per day, model or key."""
 
     class InputSerializer(StrictSerializer):
-        start = serializers.DateField(required=False, input_formats=["%Y-%m-%d"], validators=[_day_in_bounds])
-        end = serializers.DateField(required=False, input_formats=["%Y-%m-%d"], validators=[_day_in_bounds])
-        group_by = serializers.CharField(default="day")
+        start = serializers.DateField(
+            required=False,
+            input_formats=["%Y-%m-%d"],
+            validators=[_day_in_bounds],
+            help_text="The first day (UTC), YYYY-MM-DD; by default 29 days before `end`.",
+        )
+        end = serializers.DateField(
+            required=False,
+            input_formats=["%Y-%m-%d"],
+            validators=[_day_in_bounds],
+            help_text="The last day (UTC), YYYY-MM-DD; by default today.",
+        )
+        group_by = serializers.CharField(
+            default="day", help_text="One or more of day, model, key, comma-separated, each once."
+        )
 
         def validate_group_by(self, value: str) -> tuple[str, ...]:
             """One dimension or several, comma-separated: day, model, key."""
@@ -44,11 +65,12 @@ class UsageListApi(ApiView):
                 )
             return dimensions
 
+    @extend_schema_serializer(component_name="UsageBucket")
     class OutputSerializer(serializers.Serializer):
         date = serializers.DateField(source="day", required=False)
         model = serializers.CharField(required=False)
         api_key_id = serializers.IntegerField(required=False)
-        api_key_prefix = serializers.SerializerMethodField()
+        api_key_prefix = _KeyPrefixField(source="api_key__prefix", required=False)
         api_key_name = serializers.CharField(source="api_key__name", required=False)
         requests = serializers.IntegerField()
         errors = serializers.IntegerField()
@@ -56,10 +78,6 @@ class UsageListApi(ApiView):
         completion_tokens = serializers.IntegerField()
         cached_tokens = serializers.IntegerField()
         total_tokens = serializers.SerializerMethodField()
-
-        def get_api_key_prefix(self, bucket: dict) -> str | None:
-            prefix = bucket.get("api_key__prefix")
-            return f"sk-{prefix}" if prefix else None
 
         def get_total_tokens(self, bucket: dict) -> int:
             return int(bucket["prompt_tokens"] or 0) + int(bucket["completion_tokens"] or 0)
@@ -70,6 +88,25 @@ class UsageListApi(ApiView):
                 data.pop("api_key_prefix", None)
             return data
 
+    @extend_schema(
+        operation_id="listUsage",
+        summary="The organization's usage",
+        description="Requests, errors and tokens per day, model or key (or several, comma-separated).",
+        parameters=[InputSerializer],
+        responses={
+            200: inline_serializer(
+                "UsageList",
+                {
+                    "object": serializers.ChoiceField(choices=["list"]),
+                    "start": serializers.DateField(),
+                    "end": serializers.DateField(),
+                    "group_by": serializers.CharField(),
+                    "data": OutputSerializer(many=True),
+                },
+            ),
+            **api_errors(400),
+        },
+    )
     def get(self, request):
         params = validated(self.InputSerializer, request.GET)
         end = params.get("end") or timezone.now().date()
