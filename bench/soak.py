@@ -82,6 +82,7 @@ class Soak:
     samples: list[tuple[float, dict[str, tuple[int, int]]]] = field(
         default_factory=list
     )  # t, name -> (pid, rss)
+    redis_mb: list[tuple[int, float]] = field(default_factory=list)  # s since start, used_memory
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -309,7 +310,12 @@ def fault_loop(soak: Soak, pg) -> None:
 def sample_loop(soak: Soak, programs: list[str]) -> None:
     import psutil
 
+    started = time.monotonic()
     while True:
+        try:
+            soak.redis_mb.append((round(time.monotonic() - started), redis_memory_mb(soak.work)))
+        except Exception:  # restarting
+            pass
         row = {}
         for name in programs:
             pid = soak.pid(name)
@@ -332,6 +338,22 @@ def rss_growth(soak: Soak, window_s: float) -> dict[str, float]:
         if len(window) >= 2:
             growth[name] = round(100.0 * (final_rss - window[0]) / window[0], 2)
     return growth
+
+
+def redis_keys(work: Path, prefix: str) -> dict[str, dict[str, float]]:
+    """Keys by kind (the first part of the name after the prefix): how many, how many without a
+    TTL, and their memory (MiB): where Redis's memory goes, and what never expires."""
+    import redis
+
+    client = redis.Redis(unix_socket_path=str(work / "redis.sock"))
+    kinds: dict[str, dict[str, float]] = {}
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        kind = key.decode()[len(prefix) :].split(":", 1)[0]
+        row = kinds.setdefault(kind, {"keys": 0, "no_ttl": 0, "mb": 0.0})
+        row["keys"] += 1
+        row["no_ttl"] += client.ttl(key) == -1
+        row["mb"] += (client.memory_usage(key, samples=0) or 0) / 2**20
+    return {k: {**v, "mb": round(v["mb"], 2)} for k, v in sorted(kinds.items())}
 
 
 def redis_memory_mb(work: Path) -> float:
@@ -525,6 +547,8 @@ def main() -> int:
             "leaked_reservations": leaked_reservations(tenant_ids),
             "rss_growth_pct": rss_growth(soak, args.rss_window_minutes * 60),
             "redis_used_memory_mb": {"start": memory_start, "end": redis_memory_mb(work)},
+            "redis_used_memory_mb_by_minute": list({t // 60: mb for t, mb in soak.redis_mb}.values()),
+            "redis_keys_at_end": redis_keys(work, soak.env["PAGODA_REDIS_PREFIX"]),
             "kv_blocks_in_use_at_idle": blocks_in_use(),
         }
         print(json.dumps(figures), flush=True)
