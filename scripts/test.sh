@@ -17,6 +17,9 @@ export DATABASE_URL=${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test
 export REDIS_URL=${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}
 export DEBUG=false PAGODA_ALLOW_DEV_SECRETS=true
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
-export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
+# Triton's interpreter runs the kernels on CPU where there is no GPU; on a GPU they compile for real.
+if [ -z "${TRITON_INTERPRET:-}" ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  export TRITON_INTERPRET=1
+fi
 export PAGODA_REDIS_PREFIX=${PAGODA_REDIS_PREFIX:-pagoda-test-$$:}
 exec .venv/bin/python -m pytest "$@"

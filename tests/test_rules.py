@@ -36,6 +36,54 @@ def test_every_engine_setting_is_an_option_of_engine_serve() -> None:
     assert set(rules.ENGINE_SETTING_DEFAULTS) <= set(rules.ENGINE_SETTING_SWITCHES)
 
 
+def test_every_engine_settings_kind_is_what_engine_serve_parses() -> None:
+    import argparse
+
+    from engine.serve import build_parser, parse_size
+
+    actions = {opt: action for action in build_parser()._actions for opt in action.option_strings}
+    parsed_as = {"int": int, "float": float, "size": parse_size, "text": None}
+    for key, kind in rules.ENGINE_SETTINGS.items():
+        action = actions["--" + key.replace("_", "-")]
+        if kind == "switch":
+            assert isinstance(action, argparse._StoreTrueAction), key
+        else:
+            assert action.type is parsed_as[kind] and action.nargs is None, key
+
+
+@pytest.mark.parametrize(
+    ("engine_settings", "errors"),
+    [
+        ({}, []),
+        (
+            {"max_num_seqs": 16, "gpu_memory_utilization": 0.5, "kv_cache_memory": "512MiB", "device": "cpu"},
+            [],
+        ),
+        ({"grammar_cache_bytes": 1_000_000, "enforce_eager": True, "seed": None}, []),
+        ({"max_num_seqs": "16"}, ["max_num_seqs must be an integer, got '16'"]),
+        ({"max_num_seqs": True}, ["max_num_seqs must be an integer, got True"]),
+        ({"heartbeat_interval": float("nan")}, ["heartbeat_interval must be a number, got nan"]),
+        (
+            {"kv_cache_memory": [1]},
+            ["kv_cache_memory must be a number of bytes or a size such as 512MiB, got [1]"],
+        ),
+        ({"enable_lora": 1}, ["enable_lora must be true or false, got 1"]),
+        ({"device": 0}, ["device must be text, got 0"]),
+        ([], ["engine_settings must be an object of key: value"]),
+    ],
+)
+def test_engine_settings_are_checked_by_kind(engine_settings, errors) -> None:
+    assert rules.engine_settings_errors(engine_settings) == errors
+
+
+def test_sizes_read_as_the_engine_reads_them() -> None:
+    assert rules.parse_size("512MiB") == 512 * 2**20
+    assert rules.parse_size("1.5GB") == 1_500_000_000
+    assert rules.parse_size(" 1000 ") == 1000
+    with pytest.raises(ValueError, match="not a size"):
+        rules.parse_size("lots")
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
@@ -116,15 +164,21 @@ def test_a_non_positive_context_length_is_refused() -> None:
         rules.model_context_length({"max_position_embeddings": 0})
 
 
-def test_stop_string_limits_are_the_same_on_both_sides() -> None:
+def test_stop_string_limits_are_the_engines_and_the_schema_states_them() -> None:
+    """The web side checks `stop` with the engine's SamplingParams (one validator), and the
+    OpenAPI schema states the same bounds."""
     from engine.sampling_params import SamplingParams, SamplingParamsError
-    from inference.api.fields import StopField
+    from inference.api.fields import _STOP_STRING, sampling_params_check
 
     longest = "x" * rules.MAX_STOP_STRING_CHARS
     most = ["a", "b", "c", longest]
-    assert StopField().to_internal_value(most) == SamplingParams(stop=most).stop == most
+    attrs = {"stop": list(most)}
+    sampling_params_check(attrs)
+    assert attrs["stop"] == SamplingParams(stop=most).stop == most
+    assert _STOP_STRING["maxLength"] == rules.MAX_STOP_STRING_CHARS
     for refused in (["x" * (rules.MAX_STOP_STRING_CHARS + 1)], ["a"] * (rules.MAX_STOP_STRINGS + 1)):
-        with pytest.raises(serializers.ValidationError):
-            StopField().to_internal_value(refused)
+        with pytest.raises(serializers.ValidationError) as refusal:
+            sampling_params_check({"stop": refused})
+        assert "stop" in refusal.value.detail
         with pytest.raises(SamplingParamsError):
             SamplingParams(stop=refused)
