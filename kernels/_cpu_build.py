@@ -2,7 +2,10 @@
 
 Each source is compiled with the machine's C compiler for the machine's own vector units, once, into
 PAGODA_CACHE_DIR/kernels under a name keyed by the source, the flags, the compiler and the CPU;
-later processes load the cached library. Loading a library runs its code, and the cache path is
+later processes load the cached library. The vector flags are the machine's own: x86-64 builds for
+its native ISA and prefers 512-bit vectors (the AVX-512 paths), ARM builds with -mcpu=native, other
+machines with -O3 alone. PAGODA_CPU_PORTABLE=1 builds x86 without AVX-512, so the portable code
+paths run (and are tested) on any machine. Loading a library runs its code, and the cache path is
 predictable, so a library is loaded only from a directory this user owns that no one else can
 write (nor rename: every directory above it is this user's or root's, and writable by others only
 when sticky), and only when the file itself is this user's and writable by no one else. Where the
@@ -33,10 +36,32 @@ import torch  # noqa: F401  (loaded before any library: see the docstring)
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("cpu")
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# Vector flags by platform.machine(): the x86-only ones given to an ARM compiler fail the build,
+# which would send the machine silently to the torch paths.
+_VECTOR_FLAGS = {
+    "x86_64": ("-march=native", "-mprefer-vector-width=512"),
+    "amd64": ("-march=native", "-mprefer-vector-width=512"),
+    "aarch64": ("-mcpu=native",),
+    "arm64": ("-mcpu=native",),
+}
+_PORTABLE_FLAGS = {"x86_64": ("-mno-avx512f",), "amd64": ("-mno-avx512f",)}
+
+
+def portable() -> bool:
+    """Whether PAGODA_CPU_PORTABLE=1 asks for the builds without AVX-512."""
+    return os.environ.get("PAGODA_CPU_PORTABLE", "0") == "1"
+
+
+def flags(machine: str | None = None, *, portable_build: bool = False) -> tuple[str, ...]:
+    """The compiler flags for ``machine`` (this one by default)."""
+    arch = (machine or platform.machine()).lower()
+    extra = _PORTABLE_FLAGS.get(arch, ()) if portable_build else ()
+    return BASE_FLAGS + _VECTOR_FLAGS.get(arch, ()) + extra
+
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[tuple[str, bool], ctypes.CDLL | None] = {}
 
 
 def _cache_dir() -> Path:
@@ -107,7 +132,7 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _build(name: str, compiler: str, directory: Path) -> Path:
+def _build(name: str, compiler: str, directory: Path, build_flags: tuple[str, ...]) -> Path:
     """The library for kernels/cpu/<name>.c in ``directory`` (a private one), compiled unless a
     trusted build of the same key is there already."""
     source = SOURCES / f"{name}.c"
@@ -115,7 +140,7 @@ def _build(name: str, compiler: str, directory: Path) -> Path:
     key = hashlib.sha256(
         source.read_bytes()
         + headers
-        + " ".join(FLAGS).encode()
+        + " ".join(build_flags).encode()
         + compiler.encode()
         + _cpu_signature().encode()
     ).hexdigest()[:16]
@@ -128,7 +153,7 @@ def _build(name: str, compiler: str, directory: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as build:
         tmp = os.path.join(build, out.name)
         subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(source), "-lm"],
+            [compiler, *build_flags, "-o", tmp, str(source), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -141,11 +166,13 @@ def _build(name: str, compiler: str, directory: Path) -> Path:
 
 def load(name: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]]) -> ctypes.CDLL | None:
     """kernels/cpu/<name>.c compiled and loaded with its functions' (restype, argtypes) set, or
-    None where it cannot be (the reason is logged once)."""
+    None where it cannot be (the reason is logged once). The portable build (PAGODA_CPU_PORTABLE=1)
+    is kept apart from the native one."""
+    key = (name, portable())
     with _lock:
-        if name in _loaded:
-            return _loaded[name]
-        _loaded[name] = None
+        if key in _loaded:
+            return _loaded[key]
+        _loaded[key] = None
         if os.environ.get("PAGODA_CPU_KERNELS", "1") == "0":
             return None
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -153,7 +180,7 @@ def load(name: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]]) -> ctyp
             log.warning("no C compiler found: the CPU path runs without its C kernels")
             return None
         try:
-            lib = _build_and_load(name, compiler)
+            lib = _build_and_load(name, compiler, flags(portable_build=key[1]))
         except (OSError, subprocess.SubprocessError) as exc:
             log.warning(
                 "CPU kernel %s unavailable (%s): its torch path runs instead",
@@ -165,11 +192,11 @@ def load(name: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]]) -> ctyp
             fn = getattr(lib, fn_name)
             fn.restype = restype
             fn.argtypes = argtypes
-        _loaded[name] = lib
+        _loaded[key] = lib
         return lib
 
 
-def _build_and_load(name: str, compiler: str) -> ctypes.CDLL:
+def _build_and_load(name: str, compiler: str, build_flags: tuple[str, ...]) -> ctypes.CDLL:
     try:
         directory = _private_dir(_cache_dir())
     except UnsafeCacheError as exc:
@@ -177,5 +204,5 @@ def _build_and_load(name: str, compiler: str) -> ctypes.CDLL:
         log.warning("kernel cache refused (%s): building %s in a private temporary directory", exc, name)
         with tempfile.TemporaryDirectory(prefix="pagoda-kernels-") as tmp:
             # The mapping outlives the file: the directory goes once the library is loaded.
-            return ctypes.CDLL(str(_build(name, compiler, _private_dir(Path(tmp)))))
-    return ctypes.CDLL(str(_build(name, compiler, directory)))
+            return ctypes.CDLL(str(_build(name, compiler, _private_dir(Path(tmp)), build_flags)))
+    return ctypes.CDLL(str(_build(name, compiler, directory, build_flags)))

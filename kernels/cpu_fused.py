@@ -7,8 +7,8 @@
   projection, bit for bit as engine.models.llama.apply_rope_signed, and each token's k and v
   written into the paged caches (engine.attention.torch_backend.store_kv), in one pass.
 
-The plain-torch forms they replace are the references (engine.models.llama's RMSNorm and MLP);
-`available()` is False where the library cannot be built, and callers keep to those forms.
+Their references are kernels.reference's ref_rms_norm, ref_silu_mul and ref_rope_and_store_kv;
+the engine's own torch forms (engine.models.llama) are what they replace. `available()` is False where the library cannot be built, and callers keep to those forms.
 """
 
 from __future__ import annotations

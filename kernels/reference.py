@@ -7,6 +7,7 @@ backend tests compare against them. Shapes:
   sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
 - Flattened (varlen) queries: (num_tokens, num_heads, head_dim); sequence i owns rows
   query_start_loc[i]:query_start_loc[i + 1], which are its last query_len positions of seq_lens[i].
+- Fused elementwise rows (kernels.cpu_fused): (rows, dim) of float32 or bfloat16.
 - LoRA weights stacked by slot: lora_a (num_slots, rank, hidden), lora_b (num_slots, out_dim, rank);
   slot_indices (num_tokens,) picks each token's slot, -1 meaning the base model (no LoRA).
 """
@@ -104,3 +105,52 @@ def ref_lora_expand(
         delta = lora_b[slot].float() @ s[token].float()  # (out_dim,)
         y[token] = (y[token].float() + delta).to(y.dtype)
     return y
+
+
+def ref_rms_norm(
+    x: torch.Tensor,  # (rows, dim)
+    weight: torch.Tensor,  # (dim,)
+    eps: float,
+    residual_delta: torch.Tensor | None = None,  # (rows, dim): x += delta in place first
+) -> torch.Tensor:  # (rows, dim), x's dtype
+    """weight * x / rms(x), normalised in float32 and cast back before the weight (transformers'
+    LlamaRMSNorm), one row at a time."""
+    if residual_delta is not None:
+        x.add_(residual_delta)
+    out = torch.empty_like(x)
+    for row in range(x.shape[0]):
+        x32 = x[row].float()
+        out[row] = weight * (x32 / torch.sqrt(x32.pow(2).mean() + eps)).to(x.dtype)
+    return out
+
+
+def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (rows, 2 * width) -> (rows, width)
+    """silu(gate) * up of a fused gate|up projection, computed in float32 from the definition
+    silu(g) = g / (1 + exp(-g)), then cast to the input's dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def ref_rope_and_store_kv(
+    qkv: torch.Tensor,  # (tokens, (num_heads + 2 * num_kv_heads) * head_dim), rotated in place
+    cos: torch.Tensor,  # (tokens, head_dim)
+    sin_signed: torch.Tensor,  # (tokens, head_dim): sin with its first half negated
+    slot_mapping: torch.Tensor,  # (tokens,) int
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), written in place
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> None:
+    """The half-split rotary embedding of every q and k head of each token (x * cos + swap(x) *
+    sin_signed, swap putting the second half first, rounded as the input's dtype), then each
+    token's k and v stored at its slot (ref_store_kvcache)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    half = head_dim // 2
+    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim)
+    for token in range(heads.shape[0]):
+        for head in range(num_heads + num_kv_heads):
+            x = heads[token, head].clone()
+            swapped = torch.cat([x[half:], x[:half]])
+            heads[token, head] = x * cos[token] + swapped * sin_signed[token]
+    k = heads[:, num_heads : num_heads + num_kv_heads]
+    v = heads[:, num_heads + num_kv_heads :]
+    ref_store_kvcache(k, v, k_cache, v_cache, slot_mapping)

@@ -26,43 +26,23 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "online_softmax.h"
 #include "paged_bounds.h"
 #include "vec_exp.h"
 
-
-/* In place over n scores: x = exp(x - max(x)); returns their sum. */
-static inline float softmax_numerators(float *x, int n) {
-    float m = -INFINITY;
-    int t = 0;
-#ifdef __AVX512F__
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + t));
-    m = _mm512_reduce_max_ps(mv);
-#endif
-    for (; t < n; t++) m = x[t] > m ? x[t] : m;
-    float total = 0.0f;
-    t = 0;
-#ifdef __AVX512F__
-    __m512 mm = _mm512_set1_ps(m), acc = _mm512_setzero_ps();
-    for (; t + 16 <= n; t += 16) {
-        __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + t), mm));
-        _mm512_storeu_ps(x + t, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    total = _mm512_reduce_add_ps(acc);
-#endif
-    for (; t < n; t++) {
-        float e = exp_scalar(x[t] - m);
-        x[t] = e;
-        total += e;
-    }
-    return total;
-}
 
 /* One sequence, every head: each block's K (then V) rows are read front to back, all KV heads of a
  * token at once (num_kv_heads * head_dim contiguous elements), so the hardware prefetcher streams
  * whole blocks. Scores live in scores[head * seq_len + t]; acc holds num_heads * head_dim floats;
  * rowbuf holds one token's num_kv_heads * head_dim floats (for bfloat16 caches). */
+/* The reciprocal of the softmax denominator of a row of n scores, which become its numerators
+ * (the whole context taken as one block of the online softmax). */
+static inline float softmax_numerators_inv(float *x, int n) {
+    float m = -INFINITY, l = 0.0f;
+    online_softmax_step(x, 1, n, &m, &l);
+    return 1.0f / l;
+}
+
 static inline __attribute__((always_inline)) void attend_seq(
     const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16, const int32_t *table,
     int seq_len, int64_t row, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
@@ -113,7 +93,7 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
     for (int h = 0; h < num_heads; h++) {
         float *sh = scores + (int64_t)h * seq_len;
-        float inv = 1.0f / softmax_numerators(sh, seq_len);
+        float inv = softmax_numerators_inv(sh, seq_len);
 #pragma omp simd
         for (int t = 0; t < seq_len; t++) sh[t] *= inv;
     }
@@ -236,7 +216,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     }
 
     float inv[512]; /* the caller keeps num_heads <= 512 */
-    for (int h = 0; h < num_heads; h++) inv[h] = 1.0f / softmax_numerators(scores + (int64_t)h * seq_len, seq_len);
+    for (int h = 0; h < num_heads; h++) inv[h] = softmax_numerators_inv(scores + (int64_t)h * seq_len, seq_len);
 
     const int GC = GROUP_CHUNK(NC);
     for (int kh = 0; kh < num_kv_heads; kh++) {

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "online_softmax.h"
 #include "paged_bounds.h"
 #include "vec_exp.h"
 
@@ -117,8 +118,8 @@ static inline __attribute__((always_inline)) void accumulate_block(float *ot, in
 }
 
 /* One block of n keys from k0, after its scores: the causal mask where `masked` (row r sees key j
- * when pos[r] >= j), then the online softmax: the running max m and sum l move, st holds the
- * numerators, and ot is rescaled where the max moved. */
+ * when pos[r] >= j), then the online softmax (online_softmax.h) of 16 rows at a time: the running
+ * max m and sum l move, st holds the numerators, and ot is rescaled where the max moved. */
 static inline __attribute__((always_inline)) void softmax_block(float *st, int ldr, int n, int k0, int masked,
                                                                 const int32_t *pos, float *m, float *l, float *ot,
                                                                 int head_dim, const int RV) {
@@ -154,10 +155,7 @@ static inline __attribute__((always_inline)) void softmax_block(float *st, int l
         float *row = st + (int64_t)j * ldr;
 #pragma GCC unroll 3
         for (int v = 0; v < RV; v++) {
-            __m512 s = _mm512_loadu_ps(row + v * VL);
-            /* exp clamps its input, so a masked score is zeroed rather than left at exp(-87). */
-            __mmask16 seen = _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_OQ);
-            __m512 e = _mm512_maskz_mov_ps(seen, exp_avx512(_mm512_sub_ps(s, mx[v])));
+            __m512 e = online_softmax_numerators_avx512(_mm512_loadu_ps(row + v * VL), mx[v]);
             _mm512_storeu_ps(row + v * VL, e);
             sum[v] = _mm512_add_ps(sum[v], e);
         }
@@ -166,9 +164,7 @@ static inline __attribute__((always_inline)) void softmax_block(float *st, int l
         __m512 alpha[MAX_RV];
 #pragma GCC unroll 3
         for (int v = 0; v < RV; v++) {
-            /* A row's first block: m is -inf and so is its sum's weight (its sum and output are 0). */
-            __mmask16 had = _mm512_cmp_ps_mask(mo[v], ninf, _CMP_NEQ_OQ);
-            alpha[v] = _mm512_maskz_mov_ps(had, exp_avx512(_mm512_sub_ps(mo[v], mx[v])));
+            alpha[v] = online_softmax_alpha_avx512(mo[v], mx[v]);
         }
         for (int d = 0; d < head_dim; d++)
 #pragma GCC unroll 3
@@ -209,25 +205,12 @@ static inline void accumulate_block(float *ot, int ldr, const float *const *valu
 static inline void softmax_block(float *st, int ldr, int n, int k0, int masked, const int32_t *pos, float *m,
                                  float *l, float *ot, int head_dim, const int RV) {
     for (int r = 0; r < RV * VL; r++) {
-        float mx = m[r];
-        for (int j = 0; j < n; j++) {
-            float *s = st + (int64_t)j * ldr + r;
-            if (masked && pos[r] < k0 + j) *s = -INFINITY;
-            mx = *s > mx ? *s : mx;
-        }
-        float sum = 0.0f;
-        for (int j = 0; j < n; j++) {
-            float *s = st + (int64_t)j * ldr + r;
-            *s = *s == -INFINITY ? 0.0f : exp_scalar(*s - mx);
-            sum += *s;
-        }
-        float alpha = m[r] == -INFINITY ? 0.0f : exp_scalar(m[r] - mx);
-        if (mx != m[r])
+        if (masked)
+            for (int j = 0; j < n; j++)
+                if (pos[r] < k0 + j) st[(int64_t)j * ldr + r] = -INFINITY;
+        const float alpha = online_softmax_step(st + r, ldr, n, &m[r], &l[r]);
+        if (alpha != 1.0f)
             for (int d = 0; d < head_dim; d++) ot[(int64_t)d * ldr + r] *= alpha;
-        else
-            alpha = 1.0f;
-        l[r] = l[r] * alpha + sum;
-        m[r] = mx;
     }
 }
 
@@ -311,7 +294,6 @@ static void attend_tile_rv(const void *q, int64_t q_stride, const void *k_cache,
 #undef TILE
 }
 
-/* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory. */
 /* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory, and
  * PAGED_BAD_* (paged_bounds.h) when an input would send it out of bounds; nothing is read or
  * written then. The caches hold num_blocks blocks, q and out num_rows rows, and the block tables

@@ -65,7 +65,7 @@ def _build_unloaded(directory: Path) -> Path:
     """The cached library built but not loaded: dlopen hands back a library already loaded from
     the same path, so a planted one is only ever run when its path is new to this process."""
     directory.mkdir(mode=0o700, parents=True)
-    return _cpu_build._build("probe", COMPILER, directory)
+    return _cpu_build._build("probe", COMPILER, directory, _cpu_build.flags())
 
 
 def test_a_new_cache_directory_is_private_and_its_library_is_built_once(cache):
@@ -154,3 +154,36 @@ def test_a_symlink_in_place_of_the_cached_library_is_not_followed(cache, tmp_pat
 
     assert not mark.exists()
     assert lib is not None and lib.probe() == 42
+
+
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "riscv64", "ppc64le"])
+def test_other_machines_get_no_x86_flags(machine):
+    # An x86-only flag fails an ARM compiler, and a failed build sends the machine to torch.
+    built = _cpu_build.flags(machine)
+    assert not {"-march=native", "-mprefer-vector-width=512", "-mno-avx512f"} & set(built)
+    assert built[: len(_cpu_build.BASE_FLAGS)] == _cpu_build.BASE_FLAGS
+    assert _cpu_build.flags(machine, portable_build=True) == built
+    assert ("-mcpu=native" in built) == (machine in ("aarch64", "arm64"))
+
+
+def test_x86_builds_for_its_own_vector_units_and_the_portable_build_without_avx512():
+    assert {"-march=native", "-mprefer-vector-width=512"} <= set(_cpu_build.flags("x86_64"))
+    assert "-mno-avx512f" not in _cpu_build.flags("x86_64")
+    assert _cpu_build.flags("x86_64", portable_build=True)[-1] == "-mno-avx512f"
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the portable build differs on x86 only")
+def test_the_portable_build_compiles_without_avx512_and_is_kept_apart(cache, monkeypatch):
+    (_cpu_build.SOURCES / "probe.c").write_text(
+        "#ifdef __AVX512F__\nint probe(void) { return 512; }\n#else\nint probe(void) { return 42; }\n#endif\n"
+    )
+    monkeypatch.setenv("PAGODA_CPU_PORTABLE", "1")
+    portable = _cpu_build.load("probe", {"probe": (ctypes.c_int, [])})
+    monkeypatch.setenv("PAGODA_CPU_PORTABLE", "0")
+    native = _cpu_build.load("probe", {"probe": (ctypes.c_int, [])})
+
+    assert portable is not None and portable.probe() == 42
+    assert native is not None and native is not portable
+    has_avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+    assert native.probe() == (512 if has_avx512 else 42)
+    assert len(list(cache.glob("probe-*.so"))) == 2

@@ -15,7 +15,10 @@ from tests.kernels.helpers import (
     reference_attention,
 )
 
-pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler on this machine")
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler on this machine"),
+    pytest.mark.usefixtures("cpu_kernel_build"),
+]
 
 
 def _decode_batch(

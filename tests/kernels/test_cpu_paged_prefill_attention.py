@@ -15,7 +15,10 @@ from tests.kernels.helpers import (
     reference_attention,
 )
 
-pytestmark = pytest.mark.skipif(not cpu_prefill.available(), reason="no C compiler on this machine")
+pytestmark = [
+    pytest.mark.skipif(not cpu_prefill.available(), reason="no C compiler on this machine"),
+    pytest.mark.usefixtures("cpu_kernel_build"),
+]
 
 
 def _batch(query_lens, seq_lens, *, group, dtype=torch.float32, head_dim=64, block_size=16, seed=0):
