@@ -13,6 +13,7 @@ from engine.attention import AttentionBackend
 from engine.config import ConfigError, EngineConfig, SchedulerConfig
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models import ModelConfig, ModelLoadError, load_model, load_model_config
+from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024**2
@@ -26,7 +27,9 @@ class EngineSetup:
     max_model_len: int
     scheduler_config: SchedulerConfig
     num_blocks: int
-    runner: ModelRunner
+    model: LlamaForCausalLM
+    sampler: Sampler
+    cuda_graph_batch_sizes: tuple[int, ...]  # those within the scheduler's max_num_seqs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,15 +137,15 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
     model = load_model(config.model, backend, dtype=config.dtype, device=device)
     sampler = Sampler(model_config.eos_token_ids)
     num_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
-    runner = ModelRunner(
+    graph_sizes = tuple(b for b in config.cuda_graph_batch_sizes if b <= scheduler_config.max_num_seqs)
+    return EngineSetup(
+        model_config,
+        tokenizer,
+        device,
+        max_model_len,
+        scheduler_config,
+        num_blocks,
         model,
-        num_blocks=num_blocks,
-        block_size=config.cache.block_size,
-        max_model_len=max_model_len,
-        sampler=sampler,
-        enforce_eager=config.enforce_eager,
-        cuda_graph_batch_sizes=tuple(
-            b for b in config.cuda_graph_batch_sizes if b <= scheduler_config.max_num_seqs
-        ),
+        sampler,
+        graph_sizes,
     )
-    return EngineSetup(model_config, tokenizer, device, max_model_len, scheduler_config, num_blocks, runner)

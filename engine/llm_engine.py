@@ -6,7 +6,6 @@ outside is checked in add_request and refused with a typed error before any stat
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -18,68 +17,28 @@ from engine.engine_setup import EngineSetup, build_engine_setup
 from engine.errors import EngineError, InvalidRequestError
 from engine.lora.errors import LoRADisabledError
 from engine.lora.manager import LoRAManager
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
 from engine.protocol import ErrorCode, FinishReason, LoRARef
+from engine.request_state import (
+    STATUS_OF_FINISH,
+    Completion,
+    EngineLoad,
+    EngineRequest,
+    check_request_fields,
+    compile_error,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_profile import StepProfile
-from engine.stop_checker import FINISH_LENGTH, OutputStream, StreamStep
+from engine.stop_checker import OutputStream, StreamStep
 from engine.structured_output.compiler import CompileJob
 from engine.structured_output.manager import GrammarRequests, WaitingGrammar
 from engine.structured_output.spec import StructuredOutputsError
 
 logger = logging.getLogger(__name__)
-
-_STATUS: dict[str, SequenceStatus] = {
-    FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
-    FINISH_LENGTH: SequenceStatus.FINISHED_LENGTH,
-}
-
-
-@dataclasses.dataclass(slots=True)
-class _Completion:
-    seq: Sequence
-    stream: OutputStream
-    text: str = ""
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # Delta accumulated during the current step, reset after it is reported.
-    text_delta: str = ""
-    token_ids_delta: list[int] = dataclasses.field(default_factory=list)
-    logprobs_delta: list | None = None
-
-    def output(self) -> CompletionOutput:
-        out = CompletionOutput(
-            index=self.seq.index,
-            text=self.text,
-            token_ids=list(self.seq.output_token_ids),
-            text_delta=self.text_delta,
-            token_ids_delta=self.token_ids_delta,
-            logprobs_delta=self.logprobs_delta,
-            cumulative_logprob=self.cumulative_logprob,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
-        self.text_delta, self.token_ids_delta = "", []
-        self.logprobs_delta = None if self.seq.sampling_params.logprobs is None else []
-        return out
-
-
-@dataclasses.dataclass(slots=True)
-class _Request:
-    request_id: str
-    completions: list[_Completion]
-    num_prompt_tokens: int
-    error: str | None = None
-    error_code: str | None = None
-    prompt_logprobs_due: bool = False  # asked for and not reported yet
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
 
 
 class LLMEngine:
@@ -91,11 +50,9 @@ class LLMEngine:
         self.max_model_len = setup.max_model_len
         self.eos_token_ids = list(setup.model_config.eos_token_ids)
         self.device = setup.device
-        self.runner = setup.runner
         self.lora_manager: LoRAManager | None = None
         if config.lora is not None:
-            self.lora_manager = LoRAManager(config.lora, self.runner.model, self.model_config)
-            self.runner.lora = self.lora_manager
+            self.lora_manager = LoRAManager(config.lora, setup.model, self.model_config)
         lora_slots = self.lora_manager.slots if self.lora_manager is not None else None
         self.scheduler = Scheduler(setup.scheduler_config, config.cache, setup.num_blocks, lora_slots)
         self.grammars = GrammarRequests(
@@ -104,9 +61,19 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             config=config.structured_output,
         )
-        self.runner.grammar_bitmask = self.grammars.start_bitmask
-        self._requests: dict[str, _Request] = {}
-        self._completions: dict[int, _Completion] = {}  # seq_id -> completion
+        self.runner = ModelRunner(
+            setup.model,
+            num_blocks=setup.num_blocks,
+            block_size=config.cache.block_size,
+            max_model_len=self.max_model_len,
+            sampler=setup.sampler,
+            lora=self.lora_manager,
+            grammar_bitmask=self.grammars.start_bitmask,
+            enforce_eager=config.enforce_eager,
+            cuda_graph_batch_sizes=setup.cuda_graph_batch_sizes,
+        )
+        self._requests: dict[str, EngineRequest] = {}
+        self._completions: dict[int, Completion] = {}  # seq_id -> completion
         self._aborted_waiting: dict[str, None] = {}  # aborted while their grammar compiled
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -140,24 +107,9 @@ class LLMEngine:
         """Queue a request; ``lora`` (name, path, version) names an adapter of ``tenant``, or None
         for the base model. ``weight`` is the tenant's fair-share weight; ``deadline`` the unix
         time by which the request must have started, else it is dropped (queue_timeout)."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        # The scheduler orders by priority and hashes the salt: a wrongly typed field would only
-        # fail at a later step(), and take every request in that step down with it.
-        if not isinstance(tenant, str) or not (cache_salt is None or isinstance(cache_salt, str)):
-            raise InvalidRequestError("tenant and cache_salt must be strings")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < float("inf"):
-            raise InvalidRequestError(f"weight must be a positive number, got {weight!r}")
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline != deadline
-        ):
-            raise InvalidRequestError(f"deadline must be a unix time or None, got {deadline!r}")
+        check_request_fields(request_id, sampling_params, tenant, cache_salt, priority, weight, deadline)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError("sampling_params must be a SamplingParams")
         self.scheduler.check_num_seqs(sampling_params.n)  # before a grammar waits outside the scheduler
         prompt = list(prompt_token_ids)
         bad = [
@@ -222,7 +174,7 @@ class LLMEngine:
                 self.grammars.manager.release(grammar)
             raise
         completions = [
-            _Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids))
+            Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids))
             for seq in seqs
         ]
         for c in completions:
@@ -230,7 +182,7 @@ class LLMEngine:
             if sampling_params.logprobs is not None:
                 c.cumulative_logprob = 0.0
             self._completions[c.seq.seq_id] = c
-        self._requests[request_id] = _Request(
+        self._requests[request_id] = EngineRequest(
             request_id,
             completions,
             len(prompt),
@@ -256,7 +208,7 @@ class LLMEngine:
             future = job.future
             req = self._requests[request_id]
             seqs = [c.seq for c in req.completions]
-            error = _compile_error(future)
+            error = compile_error(future)
             if error is None:
                 try:
                     self.grammars.check_request_cost(job, len(seqs))
@@ -352,8 +304,7 @@ class LLMEngine:
         if sched_out.scheduled:
             self.num_steps += 1
             try:
-                self.runner.profile = profile
-                result = self.runner.run(sched_out)
+                result = self.runner.run(sched_out, profile)
             except Exception as exc:  # a failed forward ends the requests in it, not the engine
                 return self._outputs(touched) + self._fail(sched_out, exc)
             for seq_id, entries in result.prompt_logprobs.items():
@@ -404,7 +355,7 @@ class LLMEngine:
             c.logprobs_delta.append(logprobs)
             c.cumulative_logprob = (c.cumulative_logprob or 0.0) + logprobs.logprob
         if step.finish_reason is not None:
-            self.scheduler.finish(seq, _STATUS[step.finish_reason], step.finish_reason)
+            self.scheduler.finish(seq, STATUS_OF_FINISH[step.finish_reason], step.finish_reason)
             self._finish_completion(seq, step.finish_reason, step.stop_reason)
 
     def _finish_completion(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
@@ -433,32 +384,27 @@ class LLMEngine:
         return self._outputs(failed)
 
     def _outputs(self, request_ids: dict[str, None]) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        outputs = []
         for request_id in request_ids:
             req = self._requests[request_id]
-            finished = req.finished
-            first = req.completions[0].seq
-            prompt_logprobs = None
-            if req.prompt_logprobs_due and not first.wants_prompt_logprobs and first.num_output_tokens:
-                prompt_logprobs = [None, *first.prompt_logprobs]
-                req.prompt_logprobs_due = False
-            outputs.append(
-                RequestOutput(
-                    request_id=request_id,
-                    outputs=[c.output() for c in req.completions],
-                    finished=finished,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=first.num_cached_tokens,
-                    error=req.error,
-                    error_code=req.error_code,
-                    prompt_logprobs=prompt_logprobs,
-                )
-            )
-            if finished:
+            outputs.append(req.output())
+            if req.finished:
                 del self._requests[request_id]
         return outputs
 
     # -- introspection --------------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        sched, blocks = self.scheduler, self.scheduler.block_manager
+        return EngineLoad(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=blocks.usage,
+            prefix_cache_hit_rate=blocks.prefix_cache_stats()["hit_rate"],
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_total_blocks,
+            loras_loaded=self.lora_manager.loaded_names() if self.lora_manager is not None else [],
+        )
 
     def get_stats(self) -> dict[str, int | float | list[str]]:
         stats: dict[str, int | float | list[str]] = dict(self.scheduler.get_stats())
@@ -474,9 +420,3 @@ class LLMEngine:
         if self.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.device)
         return stats
-
-
-def _compile_error(future) -> BaseException | None:
-    if future.cancelled():  # only when the engine shuts its compile pool down
-        return EngineError("the engine stopped before the request's grammar was compiled")
-    return future.exception()

@@ -23,6 +23,10 @@ from engine.step_profile import StepProfile
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
 
+# Starts filling the token bitmask of a step's sampled sequences; returns its join (None: no
+# sequence is constrained).
+GrammarBitmask = Callable[[list[Sequence]], Callable[[], torch.Tensor | None] | None]
+
 
 @dataclass(slots=True)
 class StepInputs:
@@ -61,9 +65,15 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         sampler: Sampler,
+        lora: LoRAManager | None = None,
+        grammar_bitmask: GrammarBitmask | None = None,
         enforce_eager: bool = True,
         cuda_graph_batch_sizes: tuple[int, ...] = (),
     ) -> None:
+        """``lora``: when adapters are served, it maps each step's tokens to slots (the CUDA graphs
+        are captured with its layers in place and replayed only for steps without adapters).
+        ``grammar_bitmask``: the engine's structured outputs; it starts filling the token bitmask
+        of a step's sampled sequences and returns its join (None when none is constrained)."""
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -84,15 +94,9 @@ class ModelRunner:
         ]
         self._generators: dict[int, torch.Generator | None] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
-        # When adapters are served: it maps each step's tokens to slots.
-        self.lora: LoRAManager | None = None
-        # The engine's structured outputs: starts filling the token bitmask of a step's sampled
-        # sequences and returns its join (None when none is constrained).
-        self.grammar_bitmask: Callable[[list[Sequence]], Callable[[], torch.Tensor | None] | None] | None = (
-            None
-        )
+        self.lora = lora
+        self.grammar_bitmask = grammar_bitmask
         self.graphs: _DecodeGraphs | None = None
-        self.profile: StepProfile | None = None  # the engine's, while it profiles its steps
         if self.device.type == "cuda" and not enforce_eager and cuda_graph_batch_sizes:
             self.graphs = _DecodeGraphs(self, cuda_graph_batch_sizes)
 
@@ -233,8 +237,9 @@ class ModelRunner:
             )
         return self._generators[seq.seq_id]
 
-    def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        profile = self.profile
+    def run(self, scheduler_output: SchedulerOutput, profile: StepProfile | None = None) -> RunnerOutput:
+        """One step: the forward of the scheduled tokens, then sampling. ``profile``, when the
+        engine profiles its steps, is marked after each phase."""
         if not scheduler_output.scheduled:
             return RunnerOutput({}, {})
         scheduled = scheduler_output.scheduled

@@ -54,6 +54,8 @@ class ErrorCode(StrEnum):
     LORA_LOAD_FAILED = "lora_load_failed"  # the adapter named could not be loaded
     GRAMMAR_TOO_COSTLY = "grammar_too_costly"  # its token masks cost more than the replica allows
     GRAMMAR_COMPILE_TIMEOUT = "grammar_compile_timeout"  # its grammar compiled past the timeout
+    ENGINE_FAILED = "engine_failed"  # the replica running it died after streaming part of it
+    ENGINE_SHUTDOWN = "engine_shutdown"  # the replica stopped (past its drain grace) while it ran
 
 
 class ProtocolError(ValueError):

@@ -18,33 +18,31 @@ second stop request: requests that streamed get an error, the rest are handed ba
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
-from engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
-from engine.lora.errors import LoRADisabledError, LoRALoadError
-from engine.protocol import ErrorCode, Event, GenerateRequest, ProtocolError, ReplicaStats, Usage
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.outputs import RequestOutput
+from engine.protocol import ErrorCode, Event, GenerateRequest, ProtocolError, ReplicaStats
+from engine.worker.heartbeat import Heartbeat
+from engine.worker.intake import add_to_engine, request_id_of, settle_reclaimed
 from engine.worker.outputs import HeldRequest, events_for_output
 from engine.worker.queue import CONNECTION_ERRORS, RequestQueue
 from engine.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("engine.worker")
 
 EXIT_OK = 0
 EXIT_ENGINE_FAILED = 1
-# A loop that has not come round for this long is wedged: its heartbeat thread stops beating.
-STALL_LIMIT_S = 120.0
 # Longest wait between two tries to reach Redis again.
 REDIS_RETRY_MAX_S = 2.0
 
 
 class EngineWorker:
-    def __init__(self, engine: Any, queue: RequestQueue, settings: WorkerSettings) -> None:
+    def __init__(self, engine: LLMEngine, queue: RequestQueue, settings: WorkerSettings) -> None:
         self.engine = engine
         self.queue = queue
         self.settings = settings
@@ -55,10 +53,7 @@ class EngineWorker:
         self._acks: list[bytes] = []
         self._stopping = False
         self._force_stop = False
-        self._started_at = time.time()
-        self._last_stats: ReplicaStats | None = None
-        self._last_beat = 0.0  # monotonic
-        self._progress_at = time.monotonic()
+        self.heartbeat = Heartbeat(engine, queue, settings)
 
     # --- control --------------------------------------------------------------------------------
 
@@ -82,11 +77,7 @@ class EngineWorker:
             except CONNECTION_ERRORS as exc:
                 if not self._wait_for_redis(exc):
                     return EXIT_OK
-        beats_stop = threading.Event()
-        beats = threading.Thread(
-            target=self._beat_between_steps, args=(beats_stop,), name="heartbeat", daemon=True
-        )
-        beats.start()
+        self.heartbeat.start()
         now = time.monotonic()
         self._next_touch = now + self.settings.touch_interval_s
         self._next_reclaim = now
@@ -108,19 +99,18 @@ class EngineWorker:
                 if status is not None:
                     return status
         finally:
-            beats_stop.set()
-            beats.join()
+            self.heartbeat.stop()
             try:
                 self._flush()
             except CONNECTION_ERRORS:
                 logger.warning("stopping with %d events Redis did not take", self.queue.num_unsent)
-            self._shutdown_redis()
+            self.heartbeat.remove()
 
     def _iterate(self) -> int | None:
         """One turn of the loop; the exit status when the replica is done."""
-        self._progress_at = time.monotonic()
+        self.heartbeat.progress()
         if self._force_stop:
-            self._fail_all("engine_shutdown", "the engine replica was stopped", hand_back=True)
+            self._fail_all(ErrorCode.ENGINE_SHUTDOWN, "the engine replica was stopped", hand_back=True)
             return EXIT_OK
         if self._stopping:
             if self._drain_deadline is None:
@@ -131,7 +121,7 @@ class EngineWorker:
             if time.monotonic() >= self._drain_deadline:
                 logger.warning("drain grace period over with %d requests running; stopping", len(self._held))
                 message = "the engine replica shut down before this request finished"
-                self._fail_all("engine_shutdown", message, hand_back=True)
+                self._fail_all(ErrorCode.ENGINE_SHUTDOWN, message, hand_back=True)
                 return EXIT_OK
         now = time.monotonic()
         if not self._stopping and now >= self._next_reclaim:
@@ -184,7 +174,7 @@ class EngineWorker:
                 return False
             time.sleep(delay)
             delay = min(2 * delay, REDIS_RETRY_MAX_S)
-            self._progress_at = time.monotonic()
+            self.heartbeat.progress()
             try:
                 self.queue.client.ping()
                 # A Redis that lost its data (no persistence) lost the consumer group too.
@@ -217,7 +207,7 @@ class EngineWorker:
         try:
             request = GenerateRequest.decode(fields)
         except ProtocolError as exc:
-            request_id = _request_id_of(fields)
+            request_id = request_id_of(fields)
             logger.warning("malformed request entry %s (request %r): %s", message_id, request_id, exc)
             if request_id:
                 self._events.append((request_id, Event.error(str(exc), ErrorCode.INVALID_REQUEST)))
@@ -241,7 +231,7 @@ class EngineWorker:
         if self._cancelled.pop(request.request_id, None) is not None:
             self._end(held, held.aborted_event())
             return
-        error = self._add_to_engine(request)
+        error = add_to_engine(self.engine, request)
         if error is not None:
             self._end(held, error)
             return
@@ -253,51 +243,12 @@ class EngineWorker:
             seen = self.queue.read_output(request.request_id)
         except ProtocolError:
             seen = [Event(type="error")]  # unreadable output: never stream a second answer into it
-        if any(e.type in ("finished", "error") for e in seen):
+        settled, event = settle_reclaimed(request, seen, deliveries, self.settings.max_deliveries)
+        if event is not None:
+            self._events.append((request.request_id, event))
+        if settled:
             self._acks.append(message_id)
-            return True
-        produced = sum(len(o.get("token_ids", ())) for e in seen if e.type == "delta" for o in e.outputs)
-        usage = Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=produced)
-        if any(e.type == "delta" for e in seen):
-            # Running it again would stream its text a second time to a reader that already has part.
-            event = Event.error("the engine replica serving this request stopped", "engine_failed", usage)
-        elif deliveries > self.settings.max_deliveries:
-            event = Event.error(
-                f"the request failed on {deliveries - 1} engine replicas", "engine_failed", usage
-            )
-        else:
-            return False
-        self._events.append((request.request_id, event))
-        self._acks.append(message_id)
-        return True
-
-    def _add_to_engine(self, request: GenerateRequest) -> Event | None:
-        """Adds the request to the engine; an error event when the engine refuses it."""
-        try:
-            params = SamplingParams.from_dict(request.sampling_params)
-            self.engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                params,
-                tenant=request.tenant,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                lora=request.lora,  # the engine keys it by (tenant, name, version)
-                weight=request.weight,
-                deadline=request.deadline,
-            )
-        except LoRADisabledError:
-            return Event.error("this engine replica does not serve LoRA adapters", ErrorCode.LORA_UNAVAILABLE)
-        except LoRALoadError as exc:
-            return Event.error(str(exc), ErrorCode.LORA_LOAD_FAILED)
-        except RequestTooLargeError as exc:
-            return Event.error(str(exc), ErrorCode.REQUEST_TOO_LARGE)
-        except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as exc:
-            # An error that names its own code (a grammar refused from the cache) keeps it.
-            return Event.error(str(exc), getattr(exc, "code", None) or ErrorCode.INVALID_REQUEST)
-        except EngineError as exc:
-            return Event.error(str(exc), ErrorCode.ENGINE_ERROR)
-        return None
+        return settled
 
     # --- cancels, outputs -----------------------------------------------------------------------
 
@@ -314,7 +265,7 @@ class EngineWorker:
         for request_id in [r for r, t in self._cancelled.items() if t < horizon]:
             del self._cancelled[request_id]
 
-    def _collect(self, outputs: list[Any]) -> None:
+    def _collect(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             held = self._held.get(output.request_id)
             if held is None:
@@ -344,7 +295,7 @@ class EngineWorker:
                 event.replica = self.settings.replica_id
         self.queue.publish(events, acks)
 
-    def _fail_all(self, code: str, message: str, *, hand_back: bool) -> None:
+    def _fail_all(self, code: ErrorCode, message: str, *, hand_back: bool) -> None:
         """Give up on every held request: a reader that saw output gets an error, the rest go back.
 
         A stopping replica (`hand_back`) re-adds them to the stream, where any replica's next read
@@ -412,58 +363,7 @@ class EngineWorker:
                 self.engine.abort_request(held.request_id)
 
     def stats(self) -> ReplicaStats:
-        raw = self.engine.get_stats()
-        return ReplicaStats(
-            replica_id=self.settings.replica_id,
-            model=self.settings.model,
-            num_running=int(raw.get("num_running", 0)),
-            num_waiting=int(raw.get("num_waiting", 0)),
-            kv_cache_usage=float(raw.get("kv_cache_usage", 0.0)),
-            prefix_cache_hit_rate=float(raw.get("prefix_cache_hit_rate", 0.0)),
-            num_free_blocks=int(raw.get("num_free_blocks", 0)),
-            num_total_blocks=int(raw.get("num_total_blocks", 0)),
-            loras_loaded=[str(x) for x in raw.get("loras_loaded", ())],
-            started_at=self._started_at,
-            heartbeat_at=time.time(),
-            draining=self._stopping,
-        )
+        return self.heartbeat.stats(draining=self._stopping)
 
     def _heartbeat(self) -> None:
-        stats = self.stats()
-        self.queue.heartbeat(stats)
-        self._last_stats, self._last_beat = stats, time.monotonic()
-
-    def _beat_between_steps(self, stop: threading.Event) -> None:
-        """Keeps the heartbeat fresh while one step outlasts its TTL (a big prefill on a busy CPU
-        takes seconds), re-publishing the loop's latest stats, so such a replica is not taken for
-        dead. A loop stalled past STALL_LIMIT_S gets no beats and expires as a dead one would."""
-        interval = self.settings.heartbeat_interval_s
-        while not stop.wait(interval):
-            now = time.monotonic()
-            stats = self._last_stats
-            if stats is None or now - self._last_beat < interval or now - self._progress_at > STALL_LIMIT_S:
-                continue
-            try:
-                self.queue.heartbeat(dataclasses.replace(stats, heartbeat_at=time.time()))
-            except CONNECTION_ERRORS:  # Redis unreachable: the loop's own calls report it, once
-                pass
-            except Exception:
-                logger.warning("heartbeat failed", exc_info=True)
-
-    def _shutdown_redis(self) -> None:
-        try:
-            self.queue.remove_heartbeat()
-            self.queue.leave_group()
-        except CONNECTION_ERRORS:  # Redis is gone too; the heartbeat TTL expires on its own
-            logger.warning("could not remove the heartbeat: Redis is unreachable")
-        except Exception:
-            logger.exception("could not remove the heartbeat")
-
-
-def _request_id_of(fields: dict) -> str | None:
-    try:
-        raw = json.loads(fields.get(b"data", fields.get("data")) or "null")
-    except (TypeError, ValueError):
-        return None
-    request_id = raw.get("request_id") if isinstance(raw, dict) else None
-    return request_id if isinstance(request_id, str) and request_id else None
+        self.heartbeat.beat(draining=self._stopping)

@@ -66,6 +66,8 @@ ENGINE_ERROR_KINDS: dict[ErrorCode, str] = {
     ErrorCode.ENGINE_ERROR: _SERVER,
     ErrorCode.LORA_UNAVAILABLE: _SERVER,
     ErrorCode.LORA_LOAD_FAILED: _SERVER,
+    ErrorCode.ENGINE_FAILED: _SERVER,
+    ErrorCode.ENGINE_SHUTDOWN: _SERVER,
 }
 # How each way a choice can end reaches the client: a finish_reason it is given, or None where the
 # request fails instead (its error event says why).

@@ -109,9 +109,9 @@ def test_a_step_longer_than_the_ttl_keeps_the_heartbeat_fresh(client, slow_worke
 
 
 def test_a_loop_stalled_past_the_stall_limit_stops_beating(client, slow_worker, monkeypatch):
-    import engine.worker.loop as loop
+    import engine.worker.heartbeat as heartbeat
 
-    monkeypatch.setattr(loop, "STALL_LIMIT_S", 0.3)
+    monkeypatch.setattr(heartbeat, "STALL_LIMIT_S", 0.3)
     worker, prefix, in_step = slow_worker
     submit(client, prefix, "stalled", max_tokens=4, ignore_eos=True)
 
