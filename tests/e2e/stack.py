@@ -12,7 +12,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,27 +24,12 @@ from django.conf import settings
 
 from core.redis_client import get_redis
 from engine.protocol import CONSUMER_GROUP, ReplicaStats, replica_stats_key, requests_stream
-from tests.e2e.browser import E2E_METRICS_TOKEN, ROOT, free_port, server_env, wait_for_http
+from tests.conftest import World, make_world
+from tests.e2e.processes import E2E_METRICS_TOKEN, STARTUP_TIMEOUT_S, Process, start_engine, start_web
 from tests.helpers import wait_until
 
 # The replicas' blocking read of the request stream (WorkerSettings.idle_block_ms, left as it is).
 IDLE_BLOCK_MS = 200
-
-STARTUP_TIMEOUT_S = 180.0
-
-
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as exc:
-            return f"(no log: {exc})"
-        return "\n".join(text.splitlines()[-lines:])
 
 
 @dataclass
@@ -155,41 +139,6 @@ class ServingStack:
                 popen.wait(timeout=30)
 
 
-def _spawn(name: str, argv: list[str], log_path: Path, **env: str) -> Process:
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-        popen = subprocess.Popen(argv, cwd=ROOT, env=server_env(**env), stdout=log, stderr=subprocess.STDOUT)
-    return Process(name=name, popen=popen, log_path=log_path)
-
-
-def start_web(*, log_path: Path, name: str = "web", **env: str) -> tuple[Process, str]:
-    """One web process (the project's entry point: daphne with a drain on SIGTERM) on a free port;
-    returns it and its base URL once /live answers."""
-    port = free_port()
-    web = _spawn(
-        name,
-        [
-            sys.executable,
-            "-m",
-            "config.web_server",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "config.asgi:application",
-        ],
-        log_path,
-        **env,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http(base_url + "/live", timeout=STARTUP_TIMEOUT_S, process=web.popen)
-    except Exception as exc:
-        web.popen.kill()
-        web.popen.wait(timeout=30)
-        raise RuntimeError(f"{name} did not start: {exc}\n{web.tail()}") from exc
-    return web, base_url
-
-
 @contextlib.contextmanager
 def serving_stack(
     *, model: str, replica_ids: list[str], log_dir: Path, env: dict[str, str] | None = None
@@ -199,14 +148,8 @@ def serving_stack(
     out."""
     env = dict(env or {})
     replicas = {
-        replica_id: _spawn(
-            f"engine {replica_id}",
-            [sys.executable, "manage.py", "run_engine", "--model", model, "--replica-id", replica_id],
-            log_dir / f"engine-{replica_id}.log",
-            # The machine's few cores are shared by every process here: one thread per engine keeps
-            # them from oversubscribing.
-            OMP_NUM_THREADS="1",
-            **env,
+        replica_id: start_engine(
+            model=model, replica_id=replica_id, log_path=log_dir / f"engine-{replica_id}.log", **env
         )
         for replica_id in replica_ids
     }
@@ -238,3 +181,21 @@ def serving_stack(
         yield stack
     finally:
         stack.stop()
+
+
+@contextlib.contextmanager
+def served_world(
+    committed_db: Callable[[], contextlib.AbstractContextManager],
+    tmp_path_factory: Any,
+    *,
+    replica_ids: list[str],
+    env: dict[str, str] | None = None,
+    **world: Any,
+) -> Iterator[tuple[World, ServingStack]]:
+    """The e2e tests' world: make_world's tenants, keys and model deployment (its arguments in
+    ``world``) committed, then a serving stack of that model with ``replica_ids``."""
+    with committed_db():
+        base = make_world(**world)
+    log_dir = tmp_path_factory.mktemp(f"e2e-{base.model}-logs")
+    with serving_stack(model=base.model, replica_ids=replica_ids, log_dir=log_dir, env=env) as stack:
+        yield base, stack

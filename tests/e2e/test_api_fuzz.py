@@ -27,10 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_world
 from tests.e2e.api_fuzz_hooks import MAX_MODEL_LEN
-from tests.e2e.browser import ROOT
-from tests.e2e.stack import ServingStack, serving_stack
+from tests.e2e.processes import ROOT
+from tests.e2e.stack import ServingStack, served_world
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 
@@ -57,30 +56,27 @@ class Fuzzed:
 
 @pytest.fixture(scope="module")
 def fuzzed(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[Fuzzed]:
-    with committed_db():
-        world = make_world(
-            model=MODEL,
-            model_dir=e2e_model_dir,
-            deployment={
-                "max_model_len": MAX_MODEL_LEN,
-                "engine_settings": {"device": "cpu", "num_blocks": 64, "block_size": 16, "max_num_seqs": 8},
-            },
-            # No limit may refuse the fuzzer's requests: a 429 would hide what they reach.
-            tenant_a={
-                "allowed_models": [MODEL],
-                "requests_per_minute": None,
-                "tokens_per_minute": None,
-                "max_concurrent_requests": None,
-                "monthly_token_quota": None,
-            },
-        )
     media = tmp_path_factory.mktemp("e2e-fuzz-media")  # where an accepted adapter upload would land
-    with serving_stack(
-        model=MODEL,
+    with served_world(
+        committed_db,
+        tmp_path_factory,
         replica_ids=["a"],
-        log_dir=tmp_path_factory.mktemp("e2e-fuzz-logs"),
         env={"PAGODA_MEDIA_DIR": str(media)},
-    ) as stack:
+        model=MODEL,
+        model_dir=e2e_model_dir,
+        deployment={
+            "max_model_len": MAX_MODEL_LEN,
+            "engine_settings": {"device": "cpu", "num_blocks": 64, "block_size": 16, "max_num_seqs": 8},
+        },
+        # No limit may refuse the fuzzer's requests: a 429 would hide what they reach.
+        tenant_a={
+            "allowed_models": [MODEL],
+            "requests_per_minute": None,
+            "tokens_per_minute": None,
+            "max_concurrent_requests": None,
+            "monthly_token_quota": None,
+        },
+    ) as (world, stack):
         yield Fuzzed(stack, world.raw_key_a)
 
 

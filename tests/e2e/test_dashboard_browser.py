@@ -14,7 +14,8 @@ from django.utils import timezone
 from tenants.models import ApiKey, UsageRecord
 from tenants.selectors import quota_status
 from tenants.services import usage_record_create
-from tests.e2e.browser import chromium, daphne_server, log_in, screenshot
+from tests.e2e.browser import chromium, log_in, screenshot
+from tests.e2e.processes import web_server
 from tests.helpers import PASSWORD
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -80,7 +81,7 @@ def test_owner_creates_sees_secret_once_and_revokes_a_key_in_the_browser(tmp_pat
     tenant = world.tenant_a
     _seed_usage(world.key_a)
 
-    with daphne_server(log_path=tmp_path / "daphne.log") as base_url, chromium() as driver:
+    with web_server(log_path=tmp_path / "daphne.log") as base_url, chromium() as driver:
         wait = WebDriverWait(driver, 20)
         log_in(driver, base_url, username=world.owner_a.username, password=PASSWORD)
         assert driver.current_url == f"{base_url}/dashboard/t/acme/"

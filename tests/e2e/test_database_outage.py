@@ -18,8 +18,8 @@ import pytest
 
 from core.redis_client import get_redis
 from tenants.ratelimit import limiter
-from tests.e2e.browser import ROOT, free_port, server_env
 from tests.e2e.faults import OwnPostgres
+from tests.e2e.processes import ROOT, free_port, server_env
 from tests.e2e.stack import ServingStack, serving_stack
 from tests.helpers import wait_until
 

@@ -22,9 +22,8 @@ import openai
 import pytest
 
 from tenants.models import Tenant, UsageRecord
-from tests.conftest import make_world
 from tests.e2e.settlement import assert_settled, engine_events
-from tests.e2e.stack import ServingStack, serving_stack
+from tests.e2e.stack import ServingStack, served_world
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 
@@ -51,31 +50,30 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
-    with committed_db():
-        # Two tenants of the world, both allowed the model, so each test's ledger is its own.
-        base = make_world(
-            model=MODEL,
-            model_dir=e2e_model_dir,
-            deployment={
-                "max_model_len": MAX_MODEL_LEN,
-                "engine_settings": {
-                    "device": "cpu",
-                    "num_blocks": 192,
-                    "block_size": 16,
-                    # One sequence runs at a time and up to four are held: requests queued behind a
-                    # running one sit in its replica, unstarted, which is what a kill must not lose.
-                    "max_num_seqs": 1,
-                    "max_held": 4,
-                    "claim_timeout_ms": CLAIM_TIMEOUT_MS,
-                },
+    # Two tenants of the world, both allowed the model, so each test's ledger is its own.
+    with served_world(
+        committed_db,
+        tmp_path_factory,
+        replica_ids=["a", "b"],
+        model=MODEL,
+        model_dir=e2e_model_dir,
+        deployment={
+            "max_model_len": MAX_MODEL_LEN,
+            "engine_settings": {
+                "device": "cpu",
+                "num_blocks": 192,
+                "block_size": 16,
+                # One sequence runs at a time and up to four are held: requests queued behind a
+                # running one sit in its replica, unstarted, which is what a kill must not lose.
+                "max_num_seqs": 1,
+                "max_held": 4,
+                "claim_timeout_ms": CLAIM_TIMEOUT_MS,
             },
-            tenant_a={"name": "Failover", "slug": "e2e-failover", "allowed_models": [MODEL], **LIMITS},
-            tenant_b={"name": "Canceller", "slug": "e2e-canceller", "allowed_models": [MODEL], **LIMITS},
-            key_names=("failover-key", "canceller-key"),
-        )
-    with serving_stack(
-        model=MODEL, replica_ids=["a", "b"], log_dir=tmp_path_factory.mktemp("e2e-failure-logs")
-    ) as stack:
+        },
+        tenant_a={"name": "Failover", "slug": "e2e-failover", "allowed_models": [MODEL], **LIMITS},
+        tenant_b={"name": "Canceller", "slug": "e2e-canceller", "allowed_models": [MODEL], **LIMITS},
+        key_names=("failover-key", "canceller-key"),
+    ) as (base, stack):
         yield World(stack, base.tenant_a, base.raw_key_a, base.tenant_b, base.raw_key_b)
 
 

@@ -27,10 +27,9 @@ from django.conf import settings
 from core.redis_client import get_redis
 from engine.protocol import cancel_request_id, cancel_stream
 from tenants.models import Tenant, UsageRecord
-from tests.conftest import make_world
 from tests.e2e.faults import OwnRedis, own_redis_settings
 from tests.e2e.settlement import assert_settled, engine_events
-from tests.e2e.stack import Process, ServingStack, serving_stack, start_web
+from tests.e2e.stack import Process, ServingStack, served_world, start_web
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 
@@ -60,23 +59,25 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
     logs = tmp_path_factory.mktemp("e2e-faults-logs")
     try:
         with own_redis_settings(own):
-            with committed_db():
-                base = make_world(
-                    model=MODEL,
-                    model_dir=e2e_model_dir,
-                    deployment={
-                        "max_model_len": 2048,
-                        "engine_settings": {
-                            "device": "cpu",
-                            "num_blocks": 512,
-                            "block_size": 16,
-                            "max_num_seqs": 4,
-                            "claim_timeout_ms": 1000,
-                        },
+            with served_world(
+                committed_db,
+                tmp_path_factory,
+                replica_ids=["a"],
+                env=SETTLER_ENV,
+                model=MODEL,
+                model_dir=e2e_model_dir,
+                deployment={
+                    "max_model_len": 2048,
+                    "engine_settings": {
+                        "device": "cpu",
+                        "num_blocks": 512,
+                        "block_size": 16,
+                        "max_num_seqs": 4,
+                        "claim_timeout_ms": 1000,
                     },
-                    tenant_a={"name": "Faults", "slug": "e2e-faults", "allowed_models": [MODEL], **LIMITS},
-                )
-            with serving_stack(model=MODEL, replica_ids=["a"], log_dir=logs, env=SETTLER_ENV) as stack:
+                },
+                tenant_a={"name": "Faults", "slug": "e2e-faults", "allowed_models": [MODEL], **LIMITS},
+            ) as (base, stack):
                 second, second_url = start_web(log_path=logs / "web-2.log", name="web 2", **SETTLER_ENV)
                 try:
                     yield World(stack, own, second, second_url, base.tenant_a, base.raw_key_a)

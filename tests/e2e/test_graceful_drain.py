@@ -29,10 +29,9 @@ from django.conf import settings
 from core.redis_client import get_redis
 from engine.protocol import CONSUMER_GROUP, GenerateRequest, requests_stream
 from tenants.models import Tenant, UsageRecord
-from tests.conftest import make_world
-from tests.e2e.browser import E2E_METRICS_TOKEN
+from tests.e2e.processes import E2E_METRICS_TOKEN
 from tests.e2e.settlement import assert_settled, engine_events
-from tests.e2e.stack import ServingStack, serving_stack, start_web
+from tests.e2e.stack import ServingStack, served_world, start_web
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 
@@ -62,32 +61,31 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
-    with committed_db():
-        base = make_world(
-            model=MODEL,
-            model_dir=e2e_model_dir,
-            deployment={
-                "max_model_len": MAX_MODEL_LEN,
-                "engine_settings": {
-                    "device": "cpu",
-                    "num_blocks": 256,
-                    "block_size": 16,
-                    # Two sequences run at a time and six are held: a replica holds running and
-                    # waiting requests at once, which is what a drain must tell apart.
-                    "max_num_seqs": 2,
-                    "max_held": 6,
-                    # Far beyond the test: a request moves to another replica by hand-back alone.
-                    "claim_timeout_ms": 600_000,
-                    "drain_grace_s": DRAIN_GRACE_S,
-                },
+    with served_world(
+        committed_db,
+        tmp_path_factory,
+        replica_ids=["a", "b"],
+        model=MODEL,
+        model_dir=e2e_model_dir,
+        deployment={
+            "max_model_len": MAX_MODEL_LEN,
+            "engine_settings": {
+                "device": "cpu",
+                "num_blocks": 256,
+                "block_size": 16,
+                # Two sequences run at a time and six are held: a replica holds running and
+                # waiting requests at once, which is what a drain must tell apart.
+                "max_num_seqs": 2,
+                "max_held": 6,
+                # Far beyond the test: a request moves to another replica by hand-back alone.
+                "claim_timeout_ms": 600_000,
+                "drain_grace_s": DRAIN_GRACE_S,
             },
-            tenant_a={"name": "Loaded", "slug": "e2e-loaded", "allowed_models": [MODEL], **LIMITS},
-            tenant_b={"name": "Streamer", "slug": "e2e-streamer", "allowed_models": [MODEL], **LIMITS},
-            key_names=("loaded-key", "streamer-key"),
-        )
-    with serving_stack(
-        model=MODEL, replica_ids=["a", "b"], log_dir=tmp_path_factory.mktemp("e2e-drain-logs")
-    ) as stack:
+        },
+        tenant_a={"name": "Loaded", "slug": "e2e-loaded", "allowed_models": [MODEL], **LIMITS},
+        tenant_b={"name": "Streamer", "slug": "e2e-streamer", "allowed_models": [MODEL], **LIMITS},
+        key_names=("loaded-key", "streamer-key"),
+    ) as (base, stack):
         yield World(stack, base.tenant_a, base.raw_key_a, base.tenant_b, base.raw_key_b)
 
 

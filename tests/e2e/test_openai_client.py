@@ -19,8 +19,7 @@ import pytest
 
 from tenants.models import ApiKey, Tenant, UsageRecord
 from tenants.services import api_key_create, tenant_create
-from tests.conftest import make_world
-from tests.e2e.stack import ServingStack, serving_stack
+from tests.e2e.stack import ServingStack, served_world
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 
@@ -55,32 +54,32 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
-    with committed_db():
-        # A may use the model, B only one of its own; C and a rate-limited tenant besides.
-        base = make_world(
-            model=MODEL,
-            model_dir=e2e_model_dir,
-            deployment={
-                "max_model_len": MAX_MODEL_LEN,
-                "engine_settings": {
-                    "device": "cpu",
-                    "num_blocks": 128,
-                    "block_size": BLOCK_SIZE,
-                    "max_num_seqs": 8,
-                },
+    # A may use the model, B only one of its own; C and a rate-limited tenant besides.
+    with served_world(
+        committed_db,
+        tmp_path_factory,
+        replica_ids=["solo"],
+        model=MODEL,
+        model_dir=e2e_model_dir,
+        deployment={
+            "max_model_len": MAX_MODEL_LEN,
+            "engine_settings": {
+                "device": "cpu",
+                "num_blocks": 128,
+                "block_size": BLOCK_SIZE,
+                "max_num_seqs": 8,
             },
-            tenant_a={"slug": "e2e-a"},
-            tenant_b={"slug": "e2e-b", "allowed_models": ["b-own-model"]},
-        )
-        tenant_c = tenant_create(name="Tenant C", slug="e2e-c", allowed_models=[MODEL])
-        limited = tenant_create(
-            name="Tenant L", slug="e2e-limited", requests_per_minute=3, allowed_models=[MODEL]
-        )
-        _, raw_key_c = api_key_create(tenant=tenant_c, name="c-key")
-        _, raw_key_limited = api_key_create(tenant=limited, name="limited-key")
-    with serving_stack(
-        model=MODEL, replica_ids=["solo"], log_dir=tmp_path_factory.mktemp("e2e-client-logs")
-    ) as stack:
+        },
+        tenant_a={"slug": "e2e-a"},
+        tenant_b={"slug": "e2e-b", "allowed_models": ["b-own-model"]},
+    ) as (base, stack):
+        with committed_db():
+            tenant_c = tenant_create(name="Tenant C", slug="e2e-c", allowed_models=[MODEL])
+            limited = tenant_create(
+                name="Tenant L", slug="e2e-limited", requests_per_minute=3, allowed_models=[MODEL]
+            )
+            _, raw_key_c = api_key_create(tenant=tenant_c, name="c-key")
+            _, raw_key_limited = api_key_create(tenant=limited, name="limited-key")
         yield World(
             stack,
             base.tenant_a,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tenants.models import UsageRecord
-from tests.e2e.browser import chromium, daphne_server, engine_worker, log_in, screenshot
+from tests.e2e.browser import chromium, log_in, screenshot
+from tests.e2e.processes import engine_replica, web_server
 from tests.helpers import PASSWORD
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -58,8 +59,8 @@ def test_playground_streams_a_reply_token_by_token(tmp_path, world):
     key, raw_key = world.key_a, world.raw_key_a
 
     with (
-        engine_worker(model=MODEL, log_path=tmp_path / "engine.log"),
-        daphne_server(log_path=tmp_path / "daphne.log") as base_url,
+        engine_replica(model=MODEL, log_path=tmp_path / "engine.log"),
+        web_server(log_path=tmp_path / "daphne.log") as base_url,
         chromium() as driver,
     ):
         wait = WebDriverWait(driver, 60)

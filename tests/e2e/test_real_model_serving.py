@@ -10,9 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import make_world
-from tests.e2e.browser import ROOT
-from tests.e2e.stack import ServingStack, serving_stack
+from tests.e2e.processes import ROOT
+from tests.e2e.stack import ServingStack, served_world
 from tests.e2e.test_openai_client import chat_stream_texts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.real_model, pytest.mark.django_db]
@@ -30,19 +29,18 @@ class RealWorld:
 
 @pytest.fixture(scope="module")
 def real(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[RealWorld]:
-    with committed_db():
-        base = make_world(
-            model=MODEL,
-            model_dir=smollm2_dir,
-            deployment={
-                "max_model_len": 2048,
-                "engine_settings": {"device": "cpu", "num_blocks": 256, "max_num_seqs": 8},
-            },
-            tenant_a={"name": "Real", "slug": "e2e-real"},
-        )
-    with serving_stack(
-        model=MODEL, replica_ids=["solo"], log_dir=tmp_path_factory.mktemp("e2e-real-logs")
-    ) as stack:
+    with served_world(
+        committed_db,
+        tmp_path_factory,
+        replica_ids=["solo"],
+        model=MODEL,
+        model_dir=smollm2_dir,
+        deployment={
+            "max_model_len": 2048,
+            "engine_settings": {"device": "cpu", "num_blocks": 256, "max_num_seqs": 8},
+        },
+        tenant_a={"name": "Real", "slug": "e2e-real"},
+    ) as (base, stack):
         yield RealWorld(stack, stack.client(base.raw_key_a, timeout=180.0), smollm2_dir, base.raw_key_a)
 
 

@@ -13,8 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.conftest import make_world
-from tests.e2e.stack import serving_stack
+from tests.e2e.stack import served_world
 from tests.structured_schemas import SCHEMAS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.real_model, pytest.mark.django_db]
@@ -58,19 +57,18 @@ class Capital(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[openai.OpenAI]:
-    with committed_db():
-        base = make_world(
-            model=MODEL,
-            model_dir=smollm2_dir,
-            deployment={
-                "max_model_len": 2048,
-                "engine_settings": {"device": "cpu", "num_blocks": 256, "max_num_seqs": 16},
-            },
-            tenant_a={"name": "Structured", "slug": "e2e-structured"},
-        )
-    with serving_stack(
-        model=MODEL, replica_ids=["solo"], log_dir=tmp_path_factory.mktemp("e2e-structured-logs")
-    ) as stack:
+    with served_world(
+        committed_db,
+        tmp_path_factory,
+        replica_ids=["solo"],
+        model=MODEL,
+        model_dir=smollm2_dir,
+        deployment={
+            "max_model_len": 2048,
+            "engine_settings": {"device": "cpu", "num_blocks": 256, "max_num_seqs": 16},
+        },
+        tenant_a={"name": "Structured", "slug": "e2e-structured"},
+    ) as (base, stack):
         yield stack.client(base.raw_key_a, timeout=180.0)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.browser import ROOT, free_port
+from tests.e2e.processes import ROOT, free_port
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

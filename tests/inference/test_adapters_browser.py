@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from inference.models import LoraAdapter
-from tests.e2e.browser import ROOT, chromium, daphne_server, log_in, screenshot, server_env
+from tests.e2e.browser import chromium, log_in, screenshot
+from tests.e2e.processes import ROOT, server_env, web_server
 from tests.helpers import PASSWORD
 from tests.inference.peft_adapters import CONFIG, WEIGHTS
 
@@ -71,7 +72,7 @@ def test_owner_uploads_an_adapter_that_a_worker_validates(
 
     with (
         celery_worker(log_path=tmp_path / "celery.log"),
-        daphne_server(log_path=tmp_path / "daphne.log") as base_url,
+        web_server(log_path=tmp_path / "daphne.log") as base_url,
         chromium() as driver,
     ):
         wait = WebDriverWait(driver, 90)

@@ -22,7 +22,7 @@ from tenants.services import (
     tenant_limits_update,
     tenant_set_active,
 )
-from tests.e2e.browser import daphne_server
+from tests.e2e.processes import web_server
 from tests.helpers import MODEL, wait_until
 
 
@@ -127,7 +127,7 @@ def test_revoked_key_is_refused_within_one_second_in_this_process(world):
 @pytest.fixture(scope="module")
 def web_process(django_db_setup, tmp_path_factory) -> Iterator[str]:
     """A daphne serving the test database: another web process, with its own key cache."""
-    with daphne_server(log_path=tmp_path_factory.mktemp("web") / "daphne.log") as base_url:
+    with web_server(log_path=tmp_path_factory.mktemp("web") / "daphne.log") as base_url:
         yield base_url
 
 
