@@ -25,6 +25,7 @@ from engine.sampling_params import (
     SamplingParamsError,
 )
 from engine.structured_output.spec import MAX_CHOICES, StructuredOutputsError, structured_outputs_check
+from inference.services.plans import SAMPLING_PARAMS_FIELDS
 
 # OpenAI fields this platform does not implement: a clear 400 naming the field beats silence.
 UNSUPPORTED_FIELDS = frozenset(
@@ -192,25 +193,6 @@ def _documented(base: type[serializers.Field], schema: dict[str, Any]) -> Any:
     # A subclass, not the instance, carries the schema: serializers deep-copy their declared
     # fields by constructing them again, which would drop an instance's attributes.
     return extend_schema_field(schema)(type(base.__name__, (base,), {}))
-
-
-# Body fields checked by building the engine's own SamplingParams from them.
-SAMPLING_PARAMS_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "min_tokens",
-    "ignore_eos",
-    "logit_bias",
-    "prompt_logprobs",
-)
 
 
 def sampling_params_check(attrs: dict[str, Any]) -> None:

@@ -19,8 +19,10 @@ from inference.selectors import adapter_get_servable, deployment_get_enabled
 from inference.tool_parsers import named_tool_schema, required_tools_schema
 from tenants.types import AuthContext
 
-# Body fields copied to the engine's sampling parameters as they are (None: the engine default).
-_SAMPLING_FIELDS = (
+# Body fields of the engine's sampling parameters, under the same names: the API checks them by
+# building the engine's SamplingParams from them (inference.api.fields.sampling_params_check).
+SAMPLING_PARAMS_FIELDS = (
+    "n",
     "temperature",
     "top_p",
     "top_k",
@@ -29,8 +31,15 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "seed",
-    "ignore_eos",
+    "stop",
     "min_tokens",
+    "ignore_eos",
+    "logit_bias",
+    "prompt_logprobs",
+)
+# Those copied as they are (None: the engine default); the others are set by the plan below.
+_COPIED_FIELDS = tuple(
+    name for name in SAMPLING_PARAMS_FIELDS if name not in {"n", "stop", "logit_bias", "prompt_logprobs"}
 )
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -161,7 +170,7 @@ def _sampling(
     structured: dict[str, Any] | None = None,
     structured_param: str = "structured_outputs",
 ) -> dict[str, Any]:
-    params: dict[str, Any] = {name: data[name] for name in _SAMPLING_FIELDS if data.get(name) is not None}
+    params: dict[str, Any] = {name: data[name] for name in _COPIED_FIELDS if data.get(name) is not None}
     params.update(n=n, max_tokens=max_tokens, stop=list(data.get("stop") or []))
     bias = data.get("logit_bias")
     if bias:

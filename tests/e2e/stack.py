@@ -189,13 +189,20 @@ def served_world(
     tmp_path_factory: Any,
     *,
     replica_ids: list[str],
+    engine_settings: dict[str, Any],
+    max_model_len: int = 2048,
     env: dict[str, str] | None = None,
     **world: Any,
 ) -> Iterator[tuple[World, ServingStack]]:
-    """The e2e tests' world: make_world's tenants, keys and model deployment (its arguments in
-    ``world``) committed, then a serving stack of that model with ``replica_ids``."""
+    """The e2e tests' world: make_world's tenants and keys (its arguments in ``world``) and a model
+    deployment on the CPU (``engine_settings`` over blocks of 16 tokens) committed, then a serving
+    stack of that model with ``replica_ids``."""
+    deployment = {
+        "max_model_len": max_model_len,
+        "engine_settings": {"device": "cpu", "block_size": 16, **engine_settings},
+    }
     with committed_db():
-        base = make_world(**world)
+        base = make_world(deployment=deployment, **world)
     log_dir = tmp_path_factory.mktemp(f"e2e-{base.model}-logs")
     with serving_stack(model=base.model, replica_ids=replica_ids, log_dir=log_dir, env=env) as stack:
         yield base, stack

@@ -64,10 +64,8 @@ def fuzzed(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[Fuzzed]:
         env={"PAGODA_MEDIA_DIR": str(media)},
         model=MODEL,
         model_dir=e2e_model_dir,
-        deployment={
-            "max_model_len": MAX_MODEL_LEN,
-            "engine_settings": {"device": "cpu", "num_blocks": 64, "block_size": 16, "max_num_seqs": 8},
-        },
+        max_model_len=MAX_MODEL_LEN,
+        engine_settings={"num_blocks": 64, "max_num_seqs": 8},
         # No limit may refuse the fuzzer's requests: a 429 would hide what they reach.
         tenant_a={
             "allowed_models": [MODEL],

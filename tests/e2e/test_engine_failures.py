@@ -57,18 +57,14 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
         replica_ids=["a", "b"],
         model=MODEL,
         model_dir=e2e_model_dir,
-        deployment={
-            "max_model_len": MAX_MODEL_LEN,
-            "engine_settings": {
-                "device": "cpu",
-                "num_blocks": 192,
-                "block_size": 16,
-                # One sequence runs at a time and up to four are held: requests queued behind a
-                # running one sit in its replica, unstarted, which is what a kill must not lose.
-                "max_num_seqs": 1,
-                "max_held": 4,
-                "claim_timeout_ms": CLAIM_TIMEOUT_MS,
-            },
+        max_model_len=MAX_MODEL_LEN,
+        engine_settings={
+            "num_blocks": 192,
+            # One sequence runs at a time and up to four are held: requests queued behind a
+            # running one sit in its replica, unstarted, which is what a kill must not lose.
+            "max_num_seqs": 1,
+            "max_held": 4,
+            "claim_timeout_ms": CLAIM_TIMEOUT_MS,
         },
         tenant_a={"name": "Failover", "slug": "e2e-failover", "allowed_models": [MODEL], **LIMITS},
         tenant_b={"name": "Canceller", "slug": "e2e-canceller", "allowed_models": [MODEL], **LIMITS},

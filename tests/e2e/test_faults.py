@@ -66,15 +66,10 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
                 env=SETTLER_ENV,
                 model=MODEL,
                 model_dir=e2e_model_dir,
-                deployment={
-                    "max_model_len": 2048,
-                    "engine_settings": {
-                        "device": "cpu",
-                        "num_blocks": 512,
-                        "block_size": 16,
-                        "max_num_seqs": 4,
-                        "claim_timeout_ms": 1000,
-                    },
+                engine_settings={
+                    "num_blocks": 512,
+                    "max_num_seqs": 4,
+                    "claim_timeout_ms": 1000,
                 },
                 tenant_a={"name": "Faults", "slug": "e2e-faults", "allowed_models": [MODEL], **LIMITS},
             ) as (base, stack):

@@ -67,20 +67,16 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
         replica_ids=["a", "b"],
         model=MODEL,
         model_dir=e2e_model_dir,
-        deployment={
-            "max_model_len": MAX_MODEL_LEN,
-            "engine_settings": {
-                "device": "cpu",
-                "num_blocks": 256,
-                "block_size": 16,
-                # Two sequences run at a time and six are held: a replica holds running and
-                # waiting requests at once, which is what a drain must tell apart.
-                "max_num_seqs": 2,
-                "max_held": 6,
-                # Far beyond the test: a request moves to another replica by hand-back alone.
-                "claim_timeout_ms": 600_000,
-                "drain_grace_s": DRAIN_GRACE_S,
-            },
+        max_model_len=MAX_MODEL_LEN,
+        engine_settings={
+            "num_blocks": 256,
+            # Two sequences run at a time and six are held: a replica holds running and
+            # waiting requests at once, which is what a drain must tell apart.
+            "max_num_seqs": 2,
+            "max_held": 6,
+            # Far beyond the test: a request moves to another replica by hand-back alone.
+            "claim_timeout_ms": 600_000,
+            "drain_grace_s": DRAIN_GRACE_S,
         },
         tenant_a={"name": "Loaded", "slug": "e2e-loaded", "allowed_models": [MODEL], **LIMITS},
         tenant_b={"name": "Streamer", "slug": "e2e-streamer", "allowed_models": [MODEL], **LIMITS},

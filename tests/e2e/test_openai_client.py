@@ -61,14 +61,11 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
         replica_ids=["solo"],
         model=MODEL,
         model_dir=e2e_model_dir,
-        deployment={
-            "max_model_len": MAX_MODEL_LEN,
-            "engine_settings": {
-                "device": "cpu",
-                "num_blocks": 128,
-                "block_size": BLOCK_SIZE,
-                "max_num_seqs": 8,
-            },
+        max_model_len=MAX_MODEL_LEN,
+        engine_settings={
+            "num_blocks": 128,
+            "block_size": BLOCK_SIZE,
+            "max_num_seqs": 8,
         },
         tenant_a={"slug": "e2e-a"},
         tenant_b={"slug": "e2e-b", "allowed_models": ["b-own-model"]},

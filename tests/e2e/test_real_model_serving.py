@@ -35,10 +35,7 @@ def real(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[RealWorl
         replica_ids=["solo"],
         model=MODEL,
         model_dir=smollm2_dir,
-        deployment={
-            "max_model_len": 2048,
-            "engine_settings": {"device": "cpu", "num_blocks": 256, "max_num_seqs": 8},
-        },
+        engine_settings={"num_blocks": 256, "max_num_seqs": 8},
         tenant_a={"name": "Real", "slug": "e2e-real"},
     ) as (base, stack):
         yield RealWorld(stack, stack.client(base.raw_key_a, timeout=180.0), smollm2_dir, base.raw_key_a)

@@ -63,10 +63,7 @@ def client(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[openai
         replica_ids=["solo"],
         model=MODEL,
         model_dir=smollm2_dir,
-        deployment={
-            "max_model_len": 2048,
-            "engine_settings": {"device": "cpu", "num_blocks": 256, "max_num_seqs": 16},
-        },
+        engine_settings={"num_blocks": 256, "max_num_seqs": 16},
         tenant_a={"name": "Structured", "slug": "e2e-structured"},
     ) as (base, stack):
         yield stack.client(base.raw_key_a, timeout=180.0)
