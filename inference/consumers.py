@@ -35,9 +35,11 @@ from core.concurrency import blocking
 from core.errors import AuthenticationError, InvalidRequestError, PlatformError
 from core.request_ids import new_request_id
 from inference import metrics
-from inference.api.chat_output import ChoiceMessageStream
-from inference.api.formatting import chat_logprobs, usage_body
-from inference.api.serializers import ChatCompletionInputSerializer, generation_input
+from inference.api.base import generation_input
+from inference.api.chat_completions.messages import ChoiceMessageStream
+from inference.api.chat_completions.render import chat_logprobs
+from inference.api.chat_completions.schema import ChatCompletionInputSerializer
+from inference.api.formatting import usage_body
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationUsage, generation_start
 from tenants.services import api_key_authenticate, request_admit
 from tenants.types import AuthContext

@@ -1,21 +1,25 @@
-"""The generation endpoints' view: a validated body, started by the one generation service, answered
-as JSON or streamed as server-sent events."""
+"""The generation endpoints' view: a body validated by its wire format's serializer (the same way
+whichever transport carries it, REST or the websocket), started by the one generation service,
+answered as JSON or streamed as server-sent events by the format's renderers."""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from rest_framework import serializers
 
-from core.api.base import ApiView, json_body
+from core.api.base import ApiView, json_body, validated
+from core.api.exceptions import to_platform_error
 from core.concurrency import blocking
-from core.errors import PlatformError
+from core.errors import InvalidRequestError, PlatformError
 from inference import metrics
 from inference.api.body_json import body_json
-from inference.api.serializers import generation_input
-from inference.api.sse import sse_response
+from inference.api.fields import refuse_unsupported
+from inference.api.sse import StreamRenderer, sse_response
 from inference.services import GenerationPlan, collect_choices, generation_start
 
 
@@ -30,8 +34,12 @@ def _read_timeout(request: HttpRequest) -> float | None:
 
 
 class GenerationApi(ApiView):
+    """A generation endpoint of one wire format: its parser (InputSerializer) into the one plan,
+    its renderers of the one event stream (response_body for a whole body, Stream for chunks)."""
+
     kind: str  # chat | completion
     InputSerializer: type[serializers.Serializer]
+    Stream: Callable[[GenerationPlan], StreamRenderer]
 
     def response_body(self, plan: GenerationPlan, choices: list, usage) -> dict[str, Any]:
         raise NotImplementedError
@@ -64,7 +72,7 @@ class GenerationApi(ApiView):
         self.ratelimit_headers = generation.ratelimit_headers
         plan = generation.plan
         if plan.stream:
-            return sse_response(generation, events)
+            return sse_response(generation, events, self.Stream(plan))
         choices = await collect_choices(events, count=plan.n * len(plan.prompts), n=plan.n)
         # In a thread, as the body was read: logprobs make bodies of many megabytes.
         return await blocking(self._json_response)(plan, choices, generation.usage)
@@ -76,3 +84,21 @@ class GenerationApi(ApiView):
 
 def _generation_body(request: HttpRequest, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
     return generation_input(json_body(request), serializer_class)
+
+
+@functools.cache
+def _field_names(serializer_class: type[serializers.Serializer]) -> frozenset[str]:
+    # A serializer deep-copies its declared fields whenever one is made: once per class is enough.
+    return frozenset(serializer_class().fields)
+
+
+def generation_input(body: Any, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
+    """A generation body's validated data; the first unsupported, unknown or invalid field is an
+    InvalidRequestError naming it."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        refuse_unsupported(body, _field_names(serializer_class))
+    except serializers.ValidationError as exc:
+        raise to_platform_error(exc) from exc
+    return validated(serializer_class, body)

@@ -1,5 +1,7 @@
-"""The generation endpoints' response shapes as serializers, for the OpenAPI schema only: the bodies
-themselves are built by `formatting` (and `chat_output`, `sse`), which these must describe."""
+"""What the generation endpoints' response shapes share, as serializers for the OpenAPI schema
+only: usage, token logprobs, vLLM's prompt_logprobs, the fields of every completion object, and the
+event stream. Each wire format's own shapes are in its package (inference.api.chat_completions,
+inference.api.completions), beside the renderer they describe."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from rest_framework import serializers
 from engine.rules import SERVICE_TIERS
 
 
-def _constant(value: str) -> serializers.ChoiceField:
+def constant(value: str) -> serializers.ChoiceField:
     return serializers.ChoiceField(choices=[value])
 
 
@@ -34,29 +36,6 @@ class TokenLogprobSerializer(TopLogprobSerializer):
     top_logprobs = TopLogprobSerializer(many=True)
 
 
-class ChatLogprobsSerializer(serializers.Serializer):
-    content = TokenLogprobSerializer(many=True)
-    refusal = serializers.CharField(allow_null=True)
-
-
-class ToolCallFunctionSerializer(serializers.Serializer):
-    name = serializers.CharField()
-    arguments = serializers.CharField(allow_blank=True, help_text="The arguments, as JSON text.")
-
-
-class ToolCallSerializer(serializers.Serializer):
-    id = serializers.CharField()
-    type = _constant("function")
-    function = ToolCallFunctionSerializer()
-
-
-class ChatMessageSerializer(serializers.Serializer):
-    role = _constant("assistant")
-    content = serializers.CharField(allow_null=True, allow_blank=True)
-    refusal = serializers.CharField(allow_null=True)
-    tool_calls = ToolCallSerializer(many=True, required=False)
-
-
 # vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: its entry}.
 @extend_schema_field(
     {
@@ -79,13 +58,6 @@ class PromptLogprobsField(serializers.Field):
     pass
 
 
-class ChatChoiceSerializer(serializers.Serializer):
-    index = serializers.IntegerField(min_value=0)
-    message = ChatMessageSerializer()
-    logprobs = ChatLogprobsSerializer(allow_null=True)
-    finish_reason = serializers.ChoiceField(choices=["stop", "length", "tool_calls"])
-
-
 class CompletionBaseSerializer(serializers.Serializer):
     id = serializers.CharField()
     created = serializers.IntegerField()
@@ -93,37 +65,6 @@ class CompletionBaseSerializer(serializers.Serializer):
     system_fingerprint = serializers.CharField(allow_null=True)
     service_tier = serializers.ChoiceField(choices=SERVICE_TIERS[1:], help_text="The tier it ran on.")
     usage = UsageSerializer()
-
-
-class ChatCompletionSerializer(CompletionBaseSerializer):
-    object = _constant("chat.completion")
-    choices = ChatChoiceSerializer(many=True)
-    prompt_logprobs = PromptLogprobsField(required=False, allow_null=True)
-
-
-class CompletionLogprobsSerializer(serializers.Serializer):
-    """Legacy logprobs: per token its text, logprob, top alternatives and text offset (an echoed
-    prompt's first token has no logprob)."""
-
-    tokens = serializers.ListField(child=serializers.CharField(allow_blank=True))
-    token_logprobs = serializers.ListField(child=serializers.FloatField(allow_null=True))
-    top_logprobs = serializers.ListField(
-        child=serializers.DictField(child=serializers.FloatField(), allow_null=True)
-    )
-    text_offset = serializers.ListField(child=serializers.IntegerField(min_value=0))
-
-
-class CompletionChoiceSerializer(serializers.Serializer):
-    index = serializers.IntegerField(min_value=0)
-    text = serializers.CharField(allow_blank=True)
-    logprobs = CompletionLogprobsSerializer(allow_null=True)
-    finish_reason = serializers.ChoiceField(choices=["stop", "length"])
-    prompt_logprobs = PromptLogprobsField(required=False, allow_null=True)
-
-
-class CompletionSerializer(CompletionBaseSerializer):
-    object = _constant("text_completion")
-    choices = CompletionChoiceSerializer(many=True)
 
 
 # Before OpenAPI 3.2 (itemSchema), the schema of a text/event-stream describes one event.

@@ -3,7 +3,9 @@ from __future__ import annotations
 from django.urls import path
 
 from inference.api.adapters import AdapterDetailApi, AdapterListCreateApi
-from inference.api.views import ChatCompletionCreateApi, CompletionCreateApi, ModelListApi, ModelRetrieveApi
+from inference.api.chat_completions.views import ChatCompletionCreateApi
+from inference.api.completions.views import CompletionCreateApi
+from inference.api.views import ModelListApi, ModelRetrieveApi
 
 urlpatterns = [
     path("models", ModelListApi.as_view(), name="v1-models"),

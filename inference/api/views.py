@@ -1,4 +1,5 @@
-"""The OpenAI-compatible /v1 API: one view per operation."""
+"""The /v1 models API. The generation APIs are one package per wire format
+(inference.api.chat_completions, inference.api.completions)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ from rest_framework import serializers
 from core.api.base import ApiView
 from core.api.openapi import api_errors
 from inference.api import formatting
-from inference.api.base import GenerationApi
-from inference.api.responses import EVENT_STREAM, ChatCompletionSerializer, CompletionSerializer
-from inference.api.serializers import ChatCompletionInputSerializer, CompletionInputSerializer
 from inference.selectors import adapter_list_servable, deployment_list_for_caller
 from inference.services import served_model_resolve
 
@@ -66,45 +64,3 @@ class ModelRetrieveApi(ApiView):
         return formatting.model_object(
             deployment=served.deployment, adapter=served.adapter, tenant_slug=self.auth.tenant_slug
         )
-
-
-class ChatCompletionCreateApi(GenerationApi):
-    kind = "chat"
-    InputSerializer = ChatCompletionInputSerializer
-
-    @extend_schema(
-        operation_id="createChatCompletion",
-        summary="Create a chat completion",
-        request=ChatCompletionInputSerializer,
-        responses={
-            (200, "application/json"): ChatCompletionSerializer,
-            (200, "text/event-stream"): EVENT_STREAM,
-            **api_errors(400, 404, 413),
-        },
-    )
-    async def post(self, request: HttpRequest):
-        return await super().post(request)
-
-    def response_body(self, plan, choices, usage) -> dict[str, Any]:
-        return formatting.chat_completion_body(plan, choices, usage)
-
-
-class CompletionCreateApi(GenerationApi):
-    kind = "completion"
-    InputSerializer = CompletionInputSerializer
-
-    @extend_schema(
-        operation_id="createCompletion",
-        summary="Create a text completion",
-        request=CompletionInputSerializer,
-        responses={
-            (200, "application/json"): CompletionSerializer,
-            (200, "text/event-stream"): EVENT_STREAM,
-            **api_errors(400, 404, 413),
-        },
-    )
-    async def post(self, request: HttpRequest):
-        return await super().post(request)
-
-    def response_body(self, plan, choices, usage) -> dict[str, Any]:
-        return formatting.text_completion_body(plan, choices, usage)

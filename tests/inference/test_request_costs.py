@@ -15,7 +15,7 @@ from django.test import AsyncClient
 from config.asgi import application
 from core.errors import InvalidRequestError
 from engine.structured_output.spec import MAX_SPEC_CHARS
-from inference.api import formatting
+from inference.api.completions.render import text_completion_body
 from inference.services import GenerationPlan, GenerationUsage
 from inference.services.generation import CollectedChoice
 from inference.services.logprob_bounds import prompt_logprob_entries, prompt_logprob_volume_check
@@ -162,7 +162,7 @@ def test_the_choices_of_one_prompt_share_its_logprob_objects(served_model_dir):
     )
     choices = [CollectedChoice(index=i, finish_reason="length", prompt_logprobs=entries) for i in range(3)]
 
-    body = formatting.text_completion_body(plan, choices, GenerationUsage(prompt_tokens=3))
+    body = text_completion_body(plan, choices, GenerationUsage(prompt_tokens=3))
 
     first, *others = body["choices"]
     assert first["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
