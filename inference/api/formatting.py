@@ -86,3 +86,19 @@ def chunk_body(
     if plan.include_usage:
         body["usage"] = usage_body(usage) if usage is not None else None
     return body
+
+
+class ChunkStream:
+    """What every wire format's renderer of chunks shares (its subclass adds `choices`, and the
+    choices that open a stream where the format has any)."""
+
+    object: str  # each chunk's "object"
+
+    def __init__(self, plan: GenerationPlan, id: str) -> None:
+        self.plan, self.id = plan, id
+
+    def chunk(self, choices: list[dict[str, Any]], usage: GenerationUsage | None = None) -> dict[str, Any]:
+        return chunk_body(self.plan, choices, id=self.id, object=self.object, usage=usage)
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []

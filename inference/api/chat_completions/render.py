@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from inference.api.chat_completions.messages import ChoiceMessageStream, chat_message
-from inference.api.formatting import chunk_body, prompt_logprobs_body, token_entry, usage_body
+from inference.api.formatting import ChunkStream, prompt_logprobs_body, token_entry, usage_body
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationPlan, GenerationUsage
 from inference.services.generation import CollectedChoice
 
@@ -58,20 +58,16 @@ def chat_completion_body(
     }
 
 
-class ChatStream:
+class ChatStream(ChunkStream):
     """The chunks of one streamed chat completion: each item of the event stream in, the chunks'
     choices out."""
 
     object = "chat.completion.chunk"
 
     def __init__(self, plan: GenerationPlan) -> None:
-        self.plan = plan
-        self.id = chat_id(plan)
+        super().__init__(plan, chat_id(plan))
         # A chat with tools reads each choice's text into content and tool-call deltas.
         self._tools: dict[int, ChoiceMessageStream] | None = {} if plan.tool_mode is not None else None
-
-    def chunk(self, choices: list[dict[str, Any]], usage: GenerationUsage | None = None) -> dict[str, Any]:
-        return chunk_body(self.plan, choices, id=self.id, object=self.object, usage=usage)
 
     def opening(self) -> list[dict[str, Any]]:
         """Each choice's role, before any token."""

@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from inference.api.formatting import chunk_body, prompt_logprobs_body, usage_body
+from inference.api.formatting import ChunkStream, prompt_logprobs_body, usage_body
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationPlan, GenerationUsage
 from inference.services.generation import CollectedChoice
 from inference.tokenization import token_text
@@ -132,22 +132,15 @@ def _text_choices(plan: GenerationPlan, choices: list[CollectedChoice]) -> list[
     return out
 
 
-class CompletionStream:
+class CompletionStream(ChunkStream):
     """The chunks of one streamed completion: each item of the event stream in, the chunks'
     choices out."""
 
     object = "text_completion"
 
     def __init__(self, plan: GenerationPlan) -> None:
-        self.plan = plan
-        self.id = completion_id(plan)
+        super().__init__(plan, completion_id(plan))
         self._offsets: dict[int, int] = defaultdict(int)  # each choice's text length so far
-
-    def chunk(self, choices: list[dict[str, Any]], usage: GenerationUsage | None = None) -> dict[str, Any]:
-        return chunk_body(self.plan, choices, id=self.id, object=self.object, usage=usage)
-
-    def opening(self) -> list[dict[str, Any]]:
-        return []
 
     def choices(self, item: ChoiceDelta | ChoiceFinished) -> list[dict[str, Any]]:
         if isinstance(item, ChoiceFinished):
