@@ -23,6 +23,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import EngineError, RequestTooLargeError
 from engine.fair_share import ServiceCounters
 from engine.lora.slots import LoRASlots
+from engine.preemption import Preemption
 from engine.protocol import ErrorCode, FinishReason
 from engine.request_queue import WaitingQueue
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -61,12 +62,7 @@ class Scheduler:
         self._num_deadlines = 0  # unfinished requests with a queue deadline
         self.num_preemptions = 0
         self.num_expired = 0
-        # Fair-share preemption's token bucket: computed tokens it may still throw away. It fills by
-        # fair_preempt_tokens_per_step each step up to max_model_len (so any one sequence can be
-        # paid for), so over k steps it throws away at most k x that rate + max_model_len tokens.
-        self._fair_preempt_allowance = 0
-        self.num_fair_preemptions = 0
-        self.num_fair_preempted_tokens = 0  # computed tokens fair-share preemption threw away
+        self.preemption = Preemption(self)
 
     # -- ordering -----------------------------------------------------------------------------
 
@@ -74,7 +70,7 @@ class Scheduler:
         service = self.service.service
         return min(tenants, key=service)  # ties: the tenant waiting longest (dict order)
 
-    def _order_key(self, seq: Sequence) -> tuple:
+    def order_key(self, seq: Sequence) -> tuple:
         """Most important first; the victim of a preemption is the sequence with the largest key."""
         if self.fair_share:
             return (seq.priority, self.service.service(seq.tenant), seq.arrival_time, seq.seq_id)
@@ -161,7 +157,7 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
+    def num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """Tokens to compute this step, or 0 when the sequence must wait for a bigger budget."""
         if num_uncomputed <= budget:
             return num_uncomputed
@@ -187,19 +183,12 @@ class Scheduler:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        rate = self.config.fair_preempt_tokens_per_step
-        assert rate is not None  # resolved by SchedulerConfig
-        self._fair_preempt_allowance = min(
-            self._fair_preempt_allowance + rate, max(self.config.max_model_len, rate)
-        )
-        preempted: list[Sequence] = self._preempt_for_higher_tier()
-        if self.fair_share and not preempted:
-            preempted = self._preempt_for_fair_share()
+        preempted = self.preemption.before_step()
         made_room = bool(preempted)
 
         # Running sequences, most important first; the victims come from the tail, which has
         # not been scheduled yet, so nothing already granted this step is taken back.
-        order = sorted(self.running, key=self._order_key)
+        order = sorted(self.running, key=self.order_key)
         # Prompt tokens this step may compute: capped while sequences decode (see SchedulerConfig).
         cap = self.config.max_prefill_tokens_with_decodes
         decoding = (
@@ -213,7 +202,7 @@ class Scheduler:
             seq: Sequence | None = order[i]
             assert seq is not None
             uncomputed = seq.num_uncomputed_tokens
-            num_new = self._num_new_tokens(
+            num_new = self.num_new_tokens(
                 uncomputed, budget if uncomputed == 1 else min(budget, prefill_budget)
             )
             if num_new == 0:
@@ -221,7 +210,7 @@ class Scheduler:
                 continue
             while not bm.can_allocate(seq, num_new):
                 victim = order.pop()
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -256,7 +245,7 @@ class Scheduler:
             # Prompt logprobs come out of the prompt's own forward passes: nothing is reused.
             computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             num_hit = len(computed) * self.block_size
-            num_new = self._num_new_tokens(seq.num_tokens - num_hit, min(budget, prefill_budget))
+            num_new = self.num_new_tokens(seq.num_tokens - num_hit, min(budget, prefill_budget))
             # Strict order: a big request at the head is never overtaken, so it cannot starve.
             if num_new == 0 or not bm.can_allocate(seq, num_new, computed):
                 break
@@ -284,82 +273,6 @@ class Scheduler:
             finished_expired=expired,
         )
 
-    def _preempt_for_higher_tier(self) -> list[Sequence]:
-        """Make room for the head of the waiting queue by preempting running sequences of a lower
-        tier (the least important first) when it lacks a sequence slot or blocks for its first chunk."""
-        head = self.waiting.peek()
-        if head is None or not self.running:
-            return []
-        lower = [s for s in self.running if s.priority > head.priority]
-        if not lower:
-            return []
-        bm, cfg = self.block_manager, self.config
-        computed = [] if head.wants_prompt_logprobs else bm.get_computed_blocks(head)
-        uncomputed = head.num_tokens - len(computed) * self.block_size
-        budget = max(1, cfg.max_num_batched_tokens - len(self.running))
-        num_new = self._num_new_tokens(uncomputed, budget) or min(uncomputed, cfg.max_num_batched_tokens)
-        lower.sort(key=self._order_key)
-        victims: list[Sequence] = []
-        while lower and (
-            len(self.running) >= cfg.max_num_seqs or not bm.can_allocate(head, num_new, computed)
-        ):
-            victim = lower.pop()
-            self._preempt(victim)
-            victims.append(victim)
-        return victims
-
-    def _preempt_for_fair_share(self) -> list[Sequence]:
-        """When every slot is taken and the head of the queue (the least-served waiting tenant's)
-        belongs to a tenant holding fewer weighted slots than another tenant of its tier that was
-        served more, preempt that tenant's least important sequence to make the head its slot:
-        running sequences are otherwise never taken back, and a tenant with many long sequences
-        would hold the batch while the others queue. At most one a step, and only what the token
-        bucket can pay for (its computed tokens are thrown away and computed again)."""
-        cfg = self.config
-        head = self.waiting.peek()
-        if cfg.fair_preempt_tokens_per_step == 0 or head is None or len(self.running) < cfg.max_num_seqs:
-            return []
-        if self.lora_slots is not None and head.lora_id:
-            in_use = {s.lora_id for s in self.running if s.lora_id}
-            if not self.lora_slots.can_admit(head.lora_id, in_use):
-                return []
-        service = self.service
-        slots: dict[str, int] = {}
-        for s in self.running:
-            slots[s.tenant] = slots.get(s.tenant, 0) + 1
-        head_share = (slots.get(head.tenant, 0) + 1) / service.weight(head.tenant)
-        head_service = service.service(head.tenant)
-        victims = sorted(
-            (
-                s
-                for s in self.running
-                if s.priority == head.priority
-                and s.tenant != head.tenant
-                and service.service(s.tenant) > head_service
-                and slots[s.tenant] / service.weight(s.tenant) >= head_share
-            ),
-            key=self._order_key,
-            reverse=True,
-        )
-        if not victims:
-            return []
-        # Only for a slot: the head's first chunk must already find its blocks, or the victim's
-        # work would be thrown away for nothing.
-        bm = self.block_manager
-        computed = [] if head.wants_prompt_logprobs else bm.get_computed_blocks(head)
-        uncomputed = head.num_tokens - len(computed) * self.block_size
-        num_new = self._num_new_tokens(uncomputed, max(1, cfg.max_num_batched_tokens - len(self.running)))
-        if num_new == 0 or not bm.can_allocate(head, num_new, computed):
-            return []
-        for victim in victims:
-            if victim.num_computed_tokens <= self._fair_preempt_allowance:
-                self._fair_preempt_allowance -= victim.num_computed_tokens
-                self.num_fair_preemptions += 1
-                self.num_fair_preempted_tokens += victim.num_computed_tokens
-                self._preempt(victim)
-                return [victim]
-        return []
-
     def _expire_waiting(self) -> list[Sequence]:
         """Drop the requests whose queue deadline passed while none of their sequences had started."""
         now = time.time()
@@ -377,7 +290,7 @@ class Scheduler:
         self.num_expired += len({s.request_id for s in expired})
         return expired
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its KV, keep its outputs, requeue it ahead of new work."""
         self.running.remove(seq)
         self.block_manager.free(seq)
@@ -435,6 +348,14 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + sum(len(held) for held in self._held.values())
+
+    @property
+    def num_fair_preemptions(self) -> int:
+        return self.preemption.num_fair_preemptions
+
+    @property
+    def num_fair_preempted_tokens(self) -> int:
+        return self.preemption.num_fair_preempted_tokens
 
     def get_stats(self) -> dict[str, int | float]:
         bm = self.block_manager
