@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_setup import EngineSetup, build_engine_setup
 from engine.errors import EngineError, InvalidRequestError
+from engine.grammar_waits import GrammarWaits
 from engine.lora.errors import LoRADisabledError
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
@@ -26,7 +27,6 @@ from engine.request_state import (
     EngineLoad,
     EngineRequest,
     check_request_fields,
-    compile_error,
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
@@ -36,7 +36,6 @@ from engine.step_profile import StepProfile
 from engine.stop_checker import OutputStream, StreamStep
 from engine.structured_output.compiler import CompileJob
 from engine.structured_output.manager import GrammarRequests, WaitingGrammar
-from engine.structured_output.spec import StructuredOutputsError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class LLMEngine:
         )
         self._requests: dict[str, EngineRequest] = {}
         self._completions: dict[int, Completion] = {}  # seq_id -> completion
-        self._aborted_waiting: dict[str, None] = {}  # aborted while their grammar compiled
+        self.grammar_waits = GrammarWaits(self)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -119,20 +118,9 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         grammar: CompileJob | None = None
         if sampling_params.structured_outputs is not None:
-            # Cached per tenant (and salt): one tenant never learns by timing what another compiled.
-            grammar = self.grammars.manager.grammar(
-                sampling_params.structured_outputs, tenant=tenant, cache_salt=cache_salt
+            grammar = self.grammars.acquire(
+                sampling_params.structured_outputs, tenant=tenant, cache_salt=cache_salt, n=sampling_params.n
             )
-            if grammar.future.done() and grammar.future.exception() is not None:
-                self.grammars.manager.release(grammar)
-                error = grammar.future.exception()
-                raise error if isinstance(error, InvalidRequestError) else InvalidRequestError(str(error))
-            if grammar.future.done():
-                try:
-                    self.grammars.check_request_cost(grammar, sampling_params.n)
-                except InvalidRequestError:
-                    self.grammars.manager.release(grammar)
-                    raise
         try:
             lora_id = self._lora_id(tenant, lora, sampling_params.n)
         except BaseException:
@@ -198,66 +186,6 @@ class LLMEngine:
                     grammar, None if deadline is None else float(deadline)
                 )
 
-    def _admit_compiled(self) -> dict[str, None]:
-        """Requests whose grammar finished compiling go to the scheduler (or fail); returns those
-        that ended."""
-        ended: dict[str, None] = {}
-        for request_id in self.grammars.done():
-            job = self.grammars.take(request_id)
-            assert job is not None  # done() lists only requests that wait for a grammar
-            future = job.future
-            req = self._requests[request_id]
-            seqs = [c.seq for c in req.completions]
-            error = compile_error(future)
-            if error is None:
-                try:
-                    self.grammars.check_request_cost(job, len(seqs))
-                except EngineError as exc:
-                    error = exc
-            if error is None:
-                try:
-                    for seq in seqs:
-                        self.scheduler.add(seq)
-                except EngineError as exc:
-                    for seq in seqs:
-                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
-                    error = exc
-            if error is None:
-                self.grammars.bind([s.seq_id for s in seqs], future.result())
-                continue
-            req.error = str(error)
-            req.error_code = getattr(error, "code", None) or (
-                ErrorCode.INVALID_REQUEST
-                if isinstance(error, StructuredOutputsError)
-                else ErrorCode.ENGINE_ERROR
-            )
-            for seq in seqs:
-                self._finish_completion(seq, FinishReason.ERROR, None)
-            ended[request_id] = None
-        return ended
-
-    def _expire_waiting(self) -> dict[str, None]:
-        """Requests whose deadline passed while their grammar compiled end: dropped unbilled
-        (queue_timeout) when the compile had not started, billed (grammar_compile_timeout) when it
-        had; a compile that no request waits for any more is killed."""
-        ended: dict[str, None] = {}
-        for request_id in self.grammars.expired(time.time()):
-            job = self.grammars.take(request_id)
-            assert job is not None
-            req = self._requests[request_id]
-            if job.started:
-                req.error = "the request's deadline passed while its structured output grammar compiled"
-                req.error_code = ErrorCode.GRAMMAR_COMPILE_TIMEOUT
-            else:
-                req.error = (
-                    "the request waited in the queue past its deadline and was dropped before it started"
-                )
-                req.error_code = FINISH_QUEUE_TIMEOUT
-            for c in req.completions:
-                self._finish_completion(c.seq, FinishReason.ERROR, None)
-            ended[request_id] = None
-        return ended
-
     def _lora_id(self, tenant: str, lora: LoRARef | None, num_seqs: int) -> int:
         if lora is None:
             return 0
@@ -268,10 +196,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Takes effect at the next step(), which frees the blocks and reports the request finished."""
-        if request_id in self.grammars.waiting:
-            self._aborted_waiting[request_id] = None  # its compile is cancelled at the next step
+        if self.grammar_waits.abort(request_id):
             return
         self.scheduler.abort(request_id)
+
+    def request(self, request_id: str) -> EngineRequest:
+        """An unfinished request's state."""
+        return self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -284,22 +215,20 @@ class LLMEngine:
             profile.start()
         touched: dict[str, None] = {}
         if self.grammars.waiting:
-            touched.update(self._take_aborted_waiting())
-            touched.update(self._admit_compiled())
-            touched.update(self._expire_waiting())
+            touched.update(self.grammar_waits.step())
         sched_out = self.scheduler.schedule()
         if profile is not None:
             profile.mark("schedule")
         if not sched_out.scheduled and not touched and self.grammars.waiting:
             self.grammars.wait(0.05)  # nothing to run until a grammar is ready: do not spin
         for seq in sched_out.finished_aborted:
-            self._finish_completion(seq, FinishReason.ABORT, None)
+            self.finish_completion(seq, FinishReason.ABORT, None)
             touched[seq.request_id] = None
         for seq in sched_out.finished_expired:
             req = self._requests[seq.request_id]
             req.error = "the request waited in the queue past its deadline and was dropped before it started"
             req.error_code = FINISH_QUEUE_TIMEOUT
-            self._finish_completion(seq, FinishReason.ERROR, None)
+            self.finish_completion(seq, FinishReason.ERROR, None)
             touched[seq.request_id] = None
         if sched_out.scheduled:
             self.num_steps += 1
@@ -321,17 +250,6 @@ class LLMEngine:
             profile.mark("output")
         return outputs
 
-    def _take_aborted_waiting(self) -> dict[str, None]:
-        ended: dict[str, None] = {}
-        for request_id in list(self._aborted_waiting):
-            del self._aborted_waiting[request_id]
-            if self.grammars.take(request_id) is None:
-                continue
-            for c in self._requests[request_id].completions:
-                self._finish_completion(c.seq, FinishReason.ABORT, None)
-            ended[request_id] = None
-        return ended
-
     def _append(self, seq: Sequence, logprobs) -> None:
         c = self._completions[seq.seq_id]
         token = seq.output_token_ids[-1]
@@ -341,7 +259,7 @@ class LLMEngine:
             req = self._requests[seq.request_id]
             req.error, req.error_code = "the output left its grammar", ErrorCode.ENGINE_ERROR
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
-            self._finish_completion(seq, FinishReason.ERROR, None)
+            self.finish_completion(seq, FinishReason.ERROR, None)
             return
         step = c.stream.append_token(token, max_model_len_reached=seq.num_tokens >= self.max_model_len)
         if terminated and step.finish_reason is None:
@@ -356,9 +274,9 @@ class LLMEngine:
             c.cumulative_logprob = (c.cumulative_logprob or 0.0) + logprobs.logprob
         if step.finish_reason is not None:
             self.scheduler.finish(seq, STATUS_OF_FINISH[step.finish_reason], step.finish_reason)
-            self._finish_completion(seq, step.finish_reason, step.stop_reason)
+            self.finish_completion(seq, step.finish_reason, step.stop_reason)
 
-    def _finish_completion(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+    def finish_completion(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         c = self._completions.pop(seq.seq_id)
         c.finish_reason, c.stop_reason = reason, stop_reason
         self.runner.free(seq.seq_id)
@@ -380,7 +298,7 @@ class LLMEngine:
             for c in req.completions:
                 if c.finish_reason is None:
                     self.scheduler.finish(c.seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
-                    self._finish_completion(c.seq, FinishReason.ERROR, None)
+                    self.finish_completion(c.seq, FinishReason.ERROR, None)
         return self._outputs(failed)
 
     def _outputs(self, request_ids: dict[str, None]) -> list[RequestOutput]:

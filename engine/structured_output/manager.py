@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 from engine.config import StructuredOutputConfig
+from engine.errors import InvalidRequestError
 from engine.protocol import ErrorCode
 from engine.structured_output.compiler import CompileJob, CompilePool, GrammarCompileError
 from engine.structured_output.spec import spec_key
@@ -184,6 +185,24 @@ class GrammarRequests:
                 " (max_request_mask_ms). Lower n, or bound strings less widely.",
                 ErrorCode.GRAMMAR_TOO_COSTLY,
             )
+
+    def acquire(self, spec: dict[str, Any], *, tenant: str, cache_salt: str | None, n: int) -> CompileJob:
+        """The compile job of a request's grammar (cached per tenant and salt: one tenant never
+        learns by timing what another compiled), held for the request until released. A grammar
+        already known to fail, or to cost more than the replica allows for n sequences, is
+        refused (InvalidRequestError) and not held."""
+        job = self.manager.grammar(spec, tenant=tenant, cache_salt=cache_salt)
+        if not job.future.done():
+            return job
+        try:
+            error = job.future.exception()
+            if error is not None:
+                raise error if isinstance(error, InvalidRequestError) else InvalidRequestError(str(error))
+            self.check_request_cost(job, n)
+        except InvalidRequestError:
+            self.manager.release(job)
+            raise
+        return job
 
     def bind(self, seq_ids: Sequence[int], compiled: Any) -> None:
         for seq_id in seq_ids:
