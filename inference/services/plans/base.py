@@ -1,5 +1,6 @@
-"""Turn a validated API body into a GenerationPlan: the deployment, the prompt token ids, the
-engine's sampling parameters, and the token counts admission reserves."""
+"""What every wire format's planner shares: the plan itself (GenerationPlan), the model a request
+names (a base deployment, or the caller's adapter on one), the checks of context, n and tier, and
+the engine's sampling parameters from the body's fields."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from engine.structured_output.spec import StructuredOutputsError
 from inference import tokenization
 from inference.models import LoraAdapter, ModelDeployment
 from inference.selectors import adapter_get_servable, deployment_get_enabled
-from inference.tool_parsers import named_tool_schema, required_tools_schema
 from tenants.types import AuthContext
 
 # Body fields of the engine's sampling parameters, under the same names: the API checks them by
@@ -41,7 +41,6 @@ SAMPLING_PARAMS_FIELDS = (
 _COPIED_FIELDS = tuple(
     name for name in SAMPLING_PARAMS_FIELDS if name not in {"n", "stop", "logit_bias", "prompt_logprobs"}
 )
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass(slots=True)
@@ -139,7 +138,7 @@ def served_model_resolve(*, auth: AuthContext, model: str) -> ServedModel:
     return ServedModel(adapter.base_model, adapter)
 
 
-def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, param: str) -> None:
+def check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, param: str) -> None:
     if prompt_len + max_tokens > deployment.max_model_len:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {deployment.max_model_len} tokens. However, you "
@@ -149,7 +148,7 @@ def _check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, p
         )
 
 
-def _check_n(*, deployment, n: int) -> None:
+def check_n(*, deployment, n: int) -> None:
     """The deployment's engines run at most this many sequences of one request (a share of their
     slots, so that one request never holds the whole batch): refused here, before anything is queued."""
     limit = max_seqs_per_request(deployment.engine_settings)
@@ -159,7 +158,7 @@ def _check_n(*, deployment, n: int) -> None:
         )
 
 
-def _sampling(
+def sampling_params_for(
     data: dict[str, Any],
     *,
     n: int,
@@ -221,174 +220,14 @@ def service_tier_resolve(*, auth: AuthContext, asked: str | None) -> str:
     return asked
 
 
-def _caller_ids(data: dict[str, Any]) -> dict[str, str]:
+def caller_ids(data: dict[str, Any]) -> dict[str, str]:
     return {
         "end_user": data.get("safety_identifier") or data.get("user") or "",
         "prompt_cache_key": data.get("prompt_cache_key") or "",
     }
 
 
-def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
+def stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
     stream = bool(data.get("stream"))
     include_usage = bool(stream and (data.get("stream_options") or {}).get("include_usage"))
     return stream, include_usage
-
-
-def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
-    target = served_model_resolve(auth=auth, model=data["model"])
-    deployment = target.deployment
-    tools, choice = data.get("tools") or [], data.get("tool_choice") or "none"
-    tool_fields = _tool_fields(
-        deployment, tools, choice, parallel=data.get("parallel_tool_calls") is not False
-    )
-    structured = tool_fields.pop("structured", None) or data.get("response_format")
-    requested = data.get("max_completion_tokens") or data.get("max_tokens")
-    fits = tokenization.PromptFit(
-        max_model_len=deployment.max_model_len,
-        completion_tokens=requested or 1,
-        what="messages",
-        param="messages",
-    )
-    prompt = tokenization.chat_prompt_ids(
-        deployment.model_path, data["messages"], tools=tools if choice != "none" else None, fits=fits
-    )
-    # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
-    max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
-    _check_context(
-        deployment=deployment,
-        prompt_len=len(prompt),
-        max_tokens=max_tokens,
-        what="messages",
-        param="messages",
-    )
-    n = data.get("n") or 1
-    _check_n(deployment=deployment, n=n)
-    logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
-    prompt_logprobs = data.get("prompt_logprobs")
-    stream, include_usage = _stream_flags(data)
-    return GenerationPlan(
-        kind="chat",
-        request_id=request_id,
-        **target.plan_fields(),
-        prompts=[prompt],
-        n=n,
-        max_tokens=max_tokens,
-        sampling_params=_sampling(
-            data,
-            n=n,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            model_path=deployment.model_path,
-            structured=structured,
-            structured_param="tools"
-            if tool_fields.get("tool_mode") in ("named", "required")
-            else ("response_format" if data.get("response_format") else "structured_outputs"),
-        ),
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        **tool_fields,
-        stream=stream,
-        include_usage=include_usage,
-        service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
-        **_caller_ids(data),
-    )
-
-
-def _tool_fields(deployment: ModelDeployment, tools: list, choice: Any, *, parallel: bool) -> dict[str, Any]:
-    """The plan's tool fields for a tool_choice, and the grammar ("structured") a forced one needs."""
-    if choice == "none" or not tools:
-        return {}
-    if choice == "auto":
-        if not deployment.tool_call_parser:
-            raise InvalidRequestError(
-                f"The model `{deployment.name}` has no tool call parser configured, so tool_choice auto "
-                "is not available; use required or name a function.",
-                param="tool_choice",
-            )
-        return {"tool_mode": "auto", "tool_parser": deployment.tool_call_parser}
-    if choice == "required":
-        schema = required_tools_schema(tools, parallel=parallel)
-        return {"tool_mode": "required", "structured": {"json": schema, "disable_any_whitespace": True}}
-    name = choice["function"]["name"]
-    tool = next(t for t in tools if t["function"]["name"] == name)
-    return {
-        "tool_mode": "named",
-        "tool_name": name,
-        "structured": {"json": named_tool_schema(tool), "disable_any_whitespace": True},
-    }
-
-
-def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
-    target = served_model_resolve(auth=auth, model=data["model"])
-    deployment = target.deployment
-    vocab = tokenization.vocab_size(deployment.model_path)
-    max_tokens = data.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-    # max_tokens 0 (with echo: only the prompt is wanted, as lm-eval scores it): the engine runs the
-    # prompt and samples one token that is neither returned nor billed.
-    engine_max_tokens = max(max_tokens, 1)
-    fits = tokenization.PromptFit(
-        max_model_len=deployment.max_model_len,
-        completion_tokens=engine_max_tokens,
-        what="prompt",
-        param="prompt",
-    )
-    prompts: list[list[int]] = []
-    for prompt in data["prompt"]:
-        if isinstance(prompt, str):
-            prompts.append(tokenization.text_prompt_ids(deployment.model_path, prompt, fits=fits))
-        else:
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
-            prompts.append(prompt)
-    for prompt in prompts:
-        _check_context(
-            deployment=deployment,
-            prompt_len=len(prompt),
-            max_tokens=engine_max_tokens,
-            what="prompt",
-            param="prompt",
-        )
-    n = data.get("n") or 1
-    _check_n(deployment=deployment, n=n)
-    logprobs = data.get("logprobs")
-    echo = bool(data.get("echo"))
-    # echo with logprobs scores the prompt's tokens too, as OpenAI's legacy API and vLLM do.
-    prompt_logprobs = data.get("prompt_logprobs")
-    if echo and logprobs is not None:
-        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
-    prompt_texts = []
-    if echo:
-        tokenizer = tokenization.get_tokenizer(deployment.model_path)
-        prompt_texts = [
-            p if isinstance(p, str) else tokenizer.decode(t)
-            for p, t in zip(data["prompt"], prompts, strict=True)
-        ]
-    stream, include_usage = _stream_flags(data)
-    return GenerationPlan(
-        kind="completion",
-        request_id=request_id,
-        **target.plan_fields(),
-        prompts=prompts,
-        n=n,
-        max_tokens=engine_max_tokens,
-        sampling_params=_sampling(
-            data,
-            n=n,
-            max_tokens=engine_max_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            model_path=deployment.model_path,
-        ),
-        logprobs=logprobs,
-        echo=echo,
-        discard_output=max_tokens == 0,
-        prompt_texts=prompt_texts,
-        prompt_logprobs=prompt_logprobs,
-        stream=stream,
-        include_usage=include_usage,
-        service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
-        **_caller_ids(data),
-    )

@@ -1,0 +1,107 @@
+"""The chat completion's planner: messages through the model's chat template (with the tools the
+tool_choice allows), tool calls forced by a grammar where the tool_choice names or requires one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.errors import InvalidRequestError
+from inference import tokenization
+from inference.models import ModelDeployment
+from inference.services.plans.base import (
+    GenerationPlan,
+    caller_ids,
+    check_context,
+    check_n,
+    sampling_params_for,
+    served_model_resolve,
+    service_tier_resolve,
+    stream_flags,
+)
+from inference.tool_parsers import named_tool_schema, required_tools_schema
+from tenants.types import AuthContext
+
+
+def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str) -> GenerationPlan:
+    target = served_model_resolve(auth=auth, model=data["model"])
+    deployment = target.deployment
+    tools, choice = data.get("tools") or [], data.get("tool_choice") or "none"
+    tool_fields = _tool_fields(
+        deployment, tools, choice, parallel=data.get("parallel_tool_calls") is not False
+    )
+    structured = tool_fields.pop("structured", None) or data.get("response_format")
+    requested = data.get("max_completion_tokens") or data.get("max_tokens")
+    fits = tokenization.PromptFit(
+        max_model_len=deployment.max_model_len,
+        completion_tokens=requested or 1,
+        what="messages",
+        param="messages",
+    )
+    prompt = tokenization.chat_prompt_ids(
+        deployment.model_path, data["messages"], tools=tools if choice != "none" else None, fits=fits
+    )
+    # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
+    max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
+    check_context(
+        deployment=deployment,
+        prompt_len=len(prompt),
+        max_tokens=max_tokens,
+        what="messages",
+        param="messages",
+    )
+    n = data.get("n") or 1
+    check_n(deployment=deployment, n=n)
+    logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
+    prompt_logprobs = data.get("prompt_logprobs")
+    stream, include_usage = stream_flags(data)
+    return GenerationPlan(
+        kind="chat",
+        request_id=request_id,
+        **target.plan_fields(),
+        prompts=[prompt],
+        n=n,
+        max_tokens=max_tokens,
+        sampling_params=sampling_params_for(
+            data,
+            n=n,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            model_path=deployment.model_path,
+            structured=structured,
+            structured_param="tools"
+            if tool_fields.get("tool_mode") in ("named", "required")
+            else ("response_format" if data.get("response_format") else "structured_outputs"),
+        ),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        **tool_fields,
+        stream=stream,
+        include_usage=include_usage,
+        service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
+        **caller_ids(data),
+    )
+
+
+def _tool_fields(deployment: ModelDeployment, tools: list, choice: Any, *, parallel: bool) -> dict[str, Any]:
+    """The plan's tool fields for a tool_choice, and the grammar ("structured") a forced one needs."""
+    if choice == "none" or not tools:
+        return {}
+    if choice == "auto":
+        if not deployment.tool_call_parser:
+            raise InvalidRequestError(
+                f"The model `{deployment.name}` has no tool call parser configured, so tool_choice auto "
+                "is not available; use required or name a function.",
+                param="tool_choice",
+            )
+        return {"tool_mode": "auto", "tool_parser": deployment.tool_call_parser}
+    if choice == "required":
+        schema = required_tools_schema(tools, parallel=parallel)
+        return {"tool_mode": "required", "structured": {"json": schema, "disable_any_whitespace": True}}
+    name = choice["function"]["name"]
+    tool = next(t for t in tools if t["function"]["name"] == name)
+    return {
+        "tool_mode": "named",
+        "tool_name": name,
+        "structured": {"json": named_tool_schema(tool), "disable_any_whitespace": True},
+    }
