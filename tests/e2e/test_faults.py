@@ -89,6 +89,22 @@ def _client(base_url: str, raw_key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key=raw_key, max_retries=0, timeout=120)
 
 
+def _open_stream(client: openai.OpenAI, *, max_tokens: int, first: int, include_usage: bool = False):
+    """A long greedy chat stream, its first ``first`` chunks read: its request id, the chunk
+    iterator and the chunks read."""
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True} if include_usage else openai.omit,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    return stream.response.headers["x-request-id"], chunks, [next(chunks) for _ in range(first)]
+
+
 def _produced(request_id: str) -> tuple[int, list[str]]:
     events = engine_events(request_id)
     produced = sum(len(o["token_ids"]) for e in events if e.type == "delta" for o in e.outputs)
@@ -106,17 +122,9 @@ def _serves_a_new_request(world: World) -> None:
 
 def test_a_web_process_killed_mid_stream_is_billed_by_a_settler_and_its_generation_is_aborted(world):
     stack = world.stack
-    stream = _client(world.second_url, world.raw_key).chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=LONG_MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
+    request_id, chunks, received = _open_stream(
+        _client(world.second_url, world.raw_key), max_tokens=LONG_MAX_TOKENS, first=20
     )
-    request_id = stream.response.headers["x-request-id"]
-    chunks = iter(stream)
-    received = [next(chunks) for _ in range(20)]
     world.second_web.popen.send_signal(signal.SIGKILL)
     world.second_web.popen.wait(timeout=30)
     killed_at = time.monotonic()
@@ -169,18 +177,9 @@ def test_a_stream_across_a_redis_restart_completes_with_every_token_once(world):
     stack = world.stack
     before = set(UsageRecord.objects.filter(tenant=world.tenant).values_list("request_id", flat=True))
     max_tokens = 600
-    stream = _client(stack.base_url, world.raw_key).chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+    request_id, chunks, received = _open_stream(
+        _client(stack.base_url, world.raw_key), max_tokens=max_tokens, first=10, include_usage=True
     )
-    request_id = stream.response.headers["x-request-id"]
-    chunks = iter(stream)
-    received = [next(chunks) for _ in range(10)]
     down_s = world.redis.restart(signal.SIGTERM)
     received += list(chunks)
 
@@ -208,17 +207,9 @@ def test_a_stream_across_a_redis_crash_completes_or_ends_cleanly_and_is_billed_w
     stack = world.stack
     before = set(UsageRecord.objects.filter(tenant=world.tenant).values_list("request_id", flat=True))
     max_tokens = 600
-    stream = _client(stack.base_url, world.raw_key).chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
+    request_id, chunks, received = _open_stream(
+        _client(stack.base_url, world.raw_key), max_tokens=max_tokens, first=10
     )
-    request_id = stream.response.headers["x-request-id"]
-    chunks = iter(stream)
-    received = [next(chunks) for _ in range(10)]
     world.redis.restart(signal.SIGKILL)
     error = None
     try:
@@ -245,18 +236,7 @@ def test_while_redis_is_down_new_requests_get_a_503_nothing_exits_and_a_running_
     before = set(UsageRecord.objects.filter(tenant=world.tenant).values_list("request_id", flat=True))
     client = _client(stack.base_url, world.raw_key)
     max_tokens = 600
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    request_id = stream.response.headers["x-request-id"]
-    chunks = iter(stream)
-    received = [next(chunks) for _ in range(10)]
+    request_id, chunks, received = _open_stream(client, max_tokens=max_tokens, first=10, include_usage=True)
     engine_log = stack.replicas["a"].log_path
     lost_before = engine_log.read_text().count("lost the connection to Redis")
     world.redis.stop()

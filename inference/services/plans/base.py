@@ -220,14 +220,21 @@ def service_tier_resolve(*, auth: AuthContext, asked: str | None) -> str:
     return asked
 
 
-def caller_ids(data: dict[str, Any]) -> dict[str, str]:
+def plan_common(
+    *, auth: AuthContext, data: dict[str, Any], target: ServedModel, request_id: str
+) -> dict[str, Any]:
+    """The plan's fields every wire format sets alike: the model (and adapter), n (checked against
+    the deployment), streaming, the tier, and the caller's ids for the ledger."""
+    n = data.get("n") or 1
+    check_n(deployment=target.deployment, n=n)
+    stream = bool(data.get("stream"))
     return {
+        "request_id": request_id,
+        **target.plan_fields(),
+        "n": n,
+        "stream": stream,
+        "include_usage": bool(stream and (data.get("stream_options") or {}).get("include_usage")),
+        "service_tier": service_tier_resolve(auth=auth, asked=data.get("service_tier")),
         "end_user": data.get("safety_identifier") or data.get("user") or "",
         "prompt_cache_key": data.get("prompt_cache_key") or "",
     }
-
-
-def stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
-    stream = bool(data.get("stream"))
-    include_usage = bool(stream and (data.get("stream_options") or {}).get("include_usage"))
-    return stream, include_usage

@@ -10,13 +10,10 @@ from inference import tokenization
 from inference.models import ModelDeployment
 from inference.services.plans.base import (
     GenerationPlan,
-    caller_ids,
     check_context,
-    check_n,
+    plan_common,
     sampling_params_for,
     served_model_resolve,
-    service_tier_resolve,
-    stream_flags,
 )
 from inference.tool_parsers import named_tool_schema, required_tools_schema
 from tenants.types import AuthContext
@@ -49,17 +46,14 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         what="messages",
         param="messages",
     )
-    n = data.get("n") or 1
-    check_n(deployment=deployment, n=n)
+    common = plan_common(auth=auth, data=data, target=target, request_id=request_id)
+    n = common["n"]
     logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
     prompt_logprobs = data.get("prompt_logprobs")
-    stream, include_usage = stream_flags(data)
     return GenerationPlan(
         kind="chat",
-        request_id=request_id,
-        **target.plan_fields(),
+        **common,
         prompts=[prompt],
-        n=n,
         max_tokens=max_tokens,
         sampling_params=sampling_params_for(
             data,
@@ -76,10 +70,6 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         **tool_fields,
-        stream=stream,
-        include_usage=include_usage,
-        service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
-        **caller_ids(data),
     )
 
 

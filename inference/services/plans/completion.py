@@ -9,13 +9,10 @@ from core.errors import InvalidRequestError
 from inference import tokenization
 from inference.services.plans.base import (
     GenerationPlan,
-    caller_ids,
     check_context,
-    check_n,
+    plan_common,
     sampling_params_for,
     served_model_resolve,
-    service_tier_resolve,
-    stream_flags,
 )
 from tenants.types import AuthContext
 
@@ -54,8 +51,8 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
             what="prompt",
             param="prompt",
         )
-    n = data.get("n") or 1
-    check_n(deployment=deployment, n=n)
+    common = plan_common(auth=auth, data=data, target=target, request_id=request_id)
+    n = common["n"]
     logprobs = data.get("logprobs")
     echo = bool(data.get("echo"))
     # echo with logprobs scores the prompt's tokens too, as OpenAI's legacy API and vLLM do.
@@ -69,13 +66,10 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
             p if isinstance(p, str) else tokenizer.decode(t)
             for p, t in zip(data["prompt"], prompts, strict=True)
         ]
-    stream, include_usage = stream_flags(data)
     return GenerationPlan(
         kind="completion",
-        request_id=request_id,
-        **target.plan_fields(),
+        **common,
         prompts=prompts,
-        n=n,
         max_tokens=engine_max_tokens,
         sampling_params=sampling_params_for(
             data,
@@ -90,8 +84,4 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
         discard_output=max_tokens == 0,
         prompt_texts=prompt_texts,
         prompt_logprobs=prompt_logprobs,
-        stream=stream,
-        include_usage=include_usage,
-        service_tier=service_tier_resolve(auth=auth, asked=data.get("service_tier")),
-        **caller_ids(data),
     )
