@@ -206,3 +206,25 @@ def served_world(
     log_dir = tmp_path_factory.mktemp(f"e2e-{base.model}-logs")
     with serving_stack(model=base.model, replica_ids=replica_ids, log_dir=log_dir, env=env) as stack:
         yield base, stack
+
+
+def real_model_world(
+    committed_db: Callable[[], contextlib.AbstractContextManager],
+    tmp_path_factory: Any,
+    model_dir: Path,
+    *,
+    model: str,
+    tenant: str,
+    max_num_seqs: int,
+) -> contextlib.AbstractContextManager[tuple[World, ServingStack]]:
+    """served_world for the real model (SmolLM2-135M-Instruct from ``model_dir``): one replica,
+    256 blocks, and one tenant of that name."""
+    return served_world(
+        committed_db,
+        tmp_path_factory,
+        replica_ids=["solo"],
+        model=model,
+        model_dir=model_dir,
+        engine_settings={"num_blocks": 256, "max_num_seqs": max_num_seqs},
+        tenant_a={"name": tenant.title(), "slug": f"e2e-{tenant}"},
+    )

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.e2e.processes import ROOT
-from tests.e2e.stack import ServingStack, served_world
+from tests.e2e.stack import ServingStack, real_model_world
 from tests.e2e.test_openai_client import chat_stream_texts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.real_model, pytest.mark.django_db]
@@ -29,14 +29,8 @@ class RealWorld:
 
 @pytest.fixture(scope="module")
 def real(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[RealWorld]:
-    with served_world(
-        committed_db,
-        tmp_path_factory,
-        replica_ids=["solo"],
-        model=MODEL,
-        model_dir=smollm2_dir,
-        engine_settings={"num_blocks": 256, "max_num_seqs": 8},
-        tenant_a={"name": "Real", "slug": "e2e-real"},
+    with real_model_world(
+        committed_db, tmp_path_factory, smollm2_dir, model=MODEL, tenant="real", max_num_seqs=8
     ) as (base, stack):
         yield RealWorld(stack, stack.client(base.raw_key_a, timeout=180.0), smollm2_dir, base.raw_key_a)
 

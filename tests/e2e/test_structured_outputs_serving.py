@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.stack import served_world
+from tests.e2e.stack import real_model_world
 from tests.structured_schemas import SCHEMAS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.real_model, pytest.mark.django_db]
@@ -57,14 +57,8 @@ class Capital(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[openai.OpenAI]:
-    with served_world(
-        committed_db,
-        tmp_path_factory,
-        replica_ids=["solo"],
-        model=MODEL,
-        model_dir=smollm2_dir,
-        engine_settings={"num_blocks": 256, "max_num_seqs": 16},
-        tenant_a={"name": "Structured", "slug": "e2e-structured"},
+    with real_model_world(
+        committed_db, tmp_path_factory, smollm2_dir, model=MODEL, tenant="structured", max_num_seqs=16
     ) as (base, stack):
         yield stack.client(base.raw_key_a, timeout=180.0)
 
