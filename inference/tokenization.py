@@ -162,6 +162,16 @@ class PromptFit:
     def max_prompt_tokens(self) -> int:
         return max(self.max_model_len - self.completion_tokens, 0)
 
+    def check_tokens(self, prompt_len: int, max_tokens: int) -> None:
+        """The prompt's tokens and the completion's within the model's context."""
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {self.what}, {max_tokens} "
+                f"in the completion). Please reduce the length of the {self.what} or completion.",
+                param=self.param,
+            )
+
     def max_bytes(self, model_path: str) -> int | None:
         per_token = max_token_bytes(model_path)
         return None if per_token is None else self.max_prompt_tokens * per_token

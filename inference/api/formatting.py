@@ -65,6 +65,22 @@ def model_object(*, deployment, adapter=None, tenant_slug: str) -> dict[str, Any
     }
 
 
+def completion_object(
+    plan: GenerationPlan, choices: list[dict[str, Any]], *, id: str, object: str
+) -> dict[str, Any]:
+    """The fields every completion object has, whole or streamed: id, object, created, model, the
+    tier it ran on, and its choices."""
+    return {
+        "id": id,
+        "object": object,
+        "created": plan.created,
+        "model": plan.served_model,
+        "system_fingerprint": None,
+        "service_tier": plan.service_tier,
+        "choices": choices,
+    }
+
+
 def chunk_body(
     plan: GenerationPlan,
     choices: list[dict[str, Any]],
@@ -74,15 +90,7 @@ def chunk_body(
     usage: GenerationUsage | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk. With include_usage every chunk carries `usage` (null but the last)."""
-    body: dict[str, Any] = {
-        "id": id,
-        "object": object,
-        "created": plan.created,
-        "model": plan.served_model,
-        "system_fingerprint": None,
-        "service_tier": plan.service_tier,
-        "choices": choices,
-    }
+    body = completion_object(plan, choices, id=id, object=object)
     if plan.include_usage:
         body["usage"] = usage_body(usage) if usage is not None else None
     return body

@@ -228,3 +228,39 @@ def real_model_world(
         engine_settings={"num_blocks": 256, "max_num_seqs": max_num_seqs},
         tenant_a={"name": tenant.title(), "slug": f"e2e-{tenant}"},
     )
+
+
+@dataclass
+class OpenStream:
+    """A greedy chat stream (eos ignored, so it runs to max_tokens) and the chunks read so far."""
+
+    stream: Any
+    request_id: str
+    chunks: Iterator[Any]
+    received: list[Any]
+
+
+def open_stream(
+    client: Any,
+    *,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    first: int = 0,
+    include_usage: bool = False,
+) -> OpenStream:
+    """Start a long greedy chat stream and read its first ``first`` chunks."""
+    import openai
+
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True} if include_usage else openai.omit,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    received = [next(chunks) for _ in range(first)]
+    return OpenStream(stream, stream.response.headers["x-request-id"], chunks, received)

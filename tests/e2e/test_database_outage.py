@@ -20,7 +20,7 @@ from core.redis_client import get_redis
 from tenants.ratelimit import limiter
 from tests.e2e.faults import OwnPostgres
 from tests.e2e.processes import ROOT, free_port, server_env
-from tests.e2e.stack import ServingStack, serving_stack
+from tests.e2e.stack import ServingStack, open_stream, serving_stack
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -91,17 +91,8 @@ def test_a_database_outage_mid_stream_loses_no_billing_and_ends_without_a_restar
     stack, pg = world.stack, world.pg
     client = stack.client(world.raw_key, timeout=120)
     max_tokens = 400
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    request_id = stream.response.headers["x-request-id"]
-    chunks = iter(stream)
+    opened = open_stream(client, model=MODEL, messages=MESSAGES, max_tokens=max_tokens, include_usage=True)
+    request_id, chunks = opened.request_id, opened.chunks
     received = [next(chunks) for _ in range(5)]
     pg.stop()
     received += list(chunks)

@@ -23,7 +23,7 @@ import pytest
 
 from tenants.models import Tenant, UsageRecord
 from tests.e2e.settlement import assert_settled, engine_events
-from tests.e2e.stack import ServingStack, served_world
+from tests.e2e.stack import ServingStack, open_stream, served_world
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 
@@ -76,16 +76,8 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
 def stream_and_hang_up(client: openai.OpenAI, *, chunks: int, while_streaming=None) -> tuple[str, int]:
     """Open a long chat stream, read `chunks` chunks, call `while_streaming`, read one more and close
     the connection. Returns the request id and how many content chunks (one token each) arrived."""
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=LONG_MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        extra_body=LONG,
-    )
-    iterator = iter(stream)
-    received = [next(iterator) for _ in range(chunks)]
+    opened = open_stream(client, model=MODEL, messages=MESSAGES, max_tokens=LONG_MAX_TOKENS, first=chunks)
+    stream, iterator, received = opened.stream, opened.chunks, opened.received
     if while_streaming is not None:
         while_streaming()
     received.append(next(iterator))

@@ -29,7 +29,7 @@ from engine.protocol import cancel_request_id, cancel_stream
 from tenants.models import Tenant, UsageRecord
 from tests.e2e.faults import OwnRedis, own_redis_settings
 from tests.e2e.settlement import assert_settled, engine_events
-from tests.e2e.stack import Process, ServingStack, served_world, start_web
+from tests.e2e.stack import Process, ServingStack, open_stream, served_world, start_web
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 
@@ -90,19 +90,15 @@ def _client(base_url: str, raw_key: str) -> openai.OpenAI:
 
 
 def _open_stream(client: openai.OpenAI, *, max_tokens: int, first: int, include_usage: bool = False):
-    """A long greedy chat stream, its first ``first`` chunks read: its request id, the chunk
-    iterator and the chunks read."""
-    stream = client.chat.completions.create(
+    opened = open_stream(
+        client,
         model=MODEL,
         messages=MESSAGES,
         max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True} if include_usage else openai.omit,
-        extra_body={"ignore_eos": True},
+        first=first,
+        include_usage=include_usage,
     )
-    chunks = iter(stream)
-    return stream.response.headers["x-request-id"], chunks, [next(chunks) for _ in range(first)]
+    return opened.request_id, opened.chunks, opened.received
 
 
 def _produced(request_id: str) -> tuple[int, list[str]]:

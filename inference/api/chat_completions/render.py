@@ -6,7 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from inference.api.chat_completions.messages import ChoiceMessageStream, chat_message
-from inference.api.formatting import ChunkStream, prompt_logprobs_body, token_entry, usage_body
+from inference.api.formatting import (
+    ChunkStream,
+    completion_object,
+    prompt_logprobs_body,
+    token_entry,
+    usage_body,
+)
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationPlan, GenerationUsage
 from inference.services.generation import CollectedChoice
 
@@ -42,13 +48,9 @@ def chat_completion_body(
     plan: GenerationPlan, choices: list[CollectedChoice], usage: GenerationUsage
 ) -> dict[str, Any]:
     return {
-        "id": chat_id(plan),
-        "object": "chat.completion",
-        "created": plan.created,
-        "model": plan.served_model,
-        "system_fingerprint": None,
-        "service_tier": plan.service_tier,
-        "choices": [_chat_choice(plan, c) for c in choices],
+        **completion_object(
+            plan, [_chat_choice(plan, c) for c in choices], id=chat_id(plan), object="chat.completion"
+        ),
         "usage": usage_body(usage),
         **(
             {"prompt_logprobs": prompt_logprobs_body(plan, choices[0].prompt_logprobs if choices else None)}

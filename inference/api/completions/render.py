@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from inference.api.formatting import ChunkStream, prompt_logprobs_body, usage_body
+from inference.api.formatting import ChunkStream, completion_object, prompt_logprobs_body, usage_body
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationPlan, GenerationUsage
 from inference.services.generation import CollectedChoice
 from inference.tokenization import token_text
@@ -110,13 +110,9 @@ def text_completion_body(
     plan: GenerationPlan, choices: list[CollectedChoice], usage: GenerationUsage
 ) -> dict[str, Any]:
     return {
-        "id": completion_id(plan),
-        "object": "text_completion",
-        "created": plan.created,
-        "model": plan.served_model,
-        "system_fingerprint": None,
-        "service_tier": plan.service_tier,
-        "choices": _text_choices(plan, choices),
+        **completion_object(
+            plan, _text_choices(plan, choices), id=completion_id(plan), object="text_completion"
+        ),
         "usage": usage_body(usage),
     }
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.errors import ContextLengthExceededError, InvalidRequestError, model_not_found
+from core.errors import InvalidRequestError, model_not_found
 from engine.protocol import LoRARef
 from engine.rules import SERVICE_TIER_PRIORITY, max_seqs_per_request
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -136,16 +136,6 @@ def served_model_resolve(*, auth: AuthContext, model: str) -> ServedModel:
     if adapter is None:
         raise model_not_found(model)
     return ServedModel(adapter.base_model, adapter)
-
-
-def check_context(*, deployment, prompt_len: int, max_tokens: int, what: str, param: str) -> None:
-    if prompt_len + max_tokens > deployment.max_model_len:
-        raise ContextLengthExceededError(
-            f"This model's maximum context length is {deployment.max_model_len} tokens. However, you "
-            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in "
-            f"the completion). Please reduce the length of the {what} or completion.",
-            param=param,
-        )
 
 
 def check_n(*, deployment, n: int) -> None:

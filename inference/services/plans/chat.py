@@ -10,7 +10,6 @@ from inference import tokenization
 from inference.models import ModelDeployment
 from inference.services.plans.base import (
     GenerationPlan,
-    check_context,
     plan_common,
     sampling_params_for,
     served_model_resolve,
@@ -39,13 +38,7 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
     )
     # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
     max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
-    check_context(
-        deployment=deployment,
-        prompt_len=len(prompt),
-        max_tokens=max_tokens,
-        what="messages",
-        param="messages",
-    )
+    fits.check_tokens(len(prompt), max_tokens)
     common = plan_common(auth=auth, data=data, target=target, request_id=request_id)
     n = common["n"]
     logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None

@@ -9,7 +9,6 @@ from core.errors import InvalidRequestError
 from inference import tokenization
 from inference.services.plans.base import (
     GenerationPlan,
-    check_context,
     plan_common,
     sampling_params_for,
     served_model_resolve,
@@ -44,13 +43,7 @@ def completion_plan_create(*, auth: AuthContext, data: dict[str, Any], request_i
                 raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
             prompts.append(prompt)
     for prompt in prompts:
-        check_context(
-            deployment=deployment,
-            prompt_len=len(prompt),
-            max_tokens=engine_max_tokens,
-            what="prompt",
-            param="prompt",
-        )
+        fits.check_tokens(len(prompt), engine_max_tokens)
     common = plan_common(auth=auth, data=data, target=target, request_id=request_id)
     n = common["n"]
     logprobs = data.get("logprobs")
