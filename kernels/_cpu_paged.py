@@ -2,7 +2,30 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+
+# The arguments both kernels begin with (kernels/cpu/paged_*_attention.c), then those they end with.
+LEADING_ARGS = [
+    ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q_stride
+    ctypes.c_void_p,  # k_cache
+    ctypes.c_void_p,  # v_cache
+    ctypes.c_int,  # is_bf16
+    ctypes.c_int64,  # num_blocks
+    ctypes.c_void_p,  # block_tables
+    ctypes.c_int64,  # bt_stride
+]
+TRAILING_ARGS = [
+    ctypes.c_int,  # num_heads
+    ctypes.c_int,  # num_kv_heads
+    ctypes.c_int,  # head_dim
+    ctypes.c_int,  # block_size
+    ctypes.c_float,  # scale
+    ctypes.c_void_p,  # out
+    ctypes.c_int,  # num_threads
+]
 
 
 def supports_layout(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

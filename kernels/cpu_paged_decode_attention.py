@@ -26,26 +26,13 @@ _SIGNATURES = {
     "paged_decode_attention": (
         ctypes.c_int,
         [
-            ctypes.c_void_p,  # q
-            ctypes.c_int64,  # q_stride
-            ctypes.c_void_p,  # k_cache
-            ctypes.c_void_p,  # v_cache
-            ctypes.c_int,  # is_bf16
-            ctypes.c_int64,  # num_blocks
-            ctypes.c_void_p,  # block_tables
-            ctypes.c_int64,  # bt_stride
+            *_cpu_paged.LEADING_ARGS,
             ctypes.c_int64,  # bt_width
             ctypes.c_void_p,  # seq_lens
             ctypes.c_void_p,  # rows (nullable)
             ctypes.c_int64,  # num_rows (of q and out)
             ctypes.c_int,  # num_seqs
-            ctypes.c_int,  # num_heads
-            ctypes.c_int,  # num_kv_heads
-            ctypes.c_int,  # head_dim
-            ctypes.c_int,  # block_size
-            ctypes.c_float,  # scale
-            ctypes.c_void_p,  # out
-            ctypes.c_int,  # num_threads
+            *_cpu_paged.TRAILING_ARGS,
         ],
     )
 }
