@@ -42,6 +42,21 @@ class PagedBatch:
     query_lens: list[int]
     seq_lens_list: list[int]
 
+    def metadata(self):
+        """The attention backends' metadata of this batch."""
+        from engine.attention import AttentionMetadata
+
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_query_len=max(self.query_lens),
+            max_seq_len=max(self.seq_lens_list),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens_list,
+        )
+
 
 def make_paged_batch(
     query_lens: list[int],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels import cpu_paged_decode_attention as cpu_kernel
 from kernels import cpu_paged_prefill_attention as cpu_prefill
@@ -24,19 +23,6 @@ BATCHES = [
     ([1] * 40, [(37 * i) % 300 + 1 for i in range(40)]),
     ([1] * 12 + [20] + [1] * 12 + [9], [*range(3, 300, 25), 20, *range(290, 1, -25), 40]),
 ]
-
-
-def _metadata(batch: PagedBatch) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=batch.slot_mapping,
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables,
-        max_query_len=max(batch.query_lens),
-        max_seq_len=max(batch.seq_lens_list),
-        query_lens_cpu=batch.query_lens,
-        seq_lens_cpu=batch.seq_lens_list,
-    )
 
 
 def _expected(batch: PagedBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +61,7 @@ def test_the_torch_backend_matches_the_reference(dtype, group, query_lens, seq_l
     expected, expected_k_cache = _expected(batch, 0.2)
 
     out = _backend(path).forward(
-        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, _metadata(batch), 0.2
+        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.metadata(), 0.2
     )
 
     assert torch.equal(batch.k_cache, expected_k_cache)
@@ -98,7 +84,7 @@ def test_one_backend_serves_successive_steps_of_every_shape(path):
             seed=seed,
         )
         expected, _ = _expected(batch, 0.2)
-        metadata = _metadata(batch)
+        metadata = batch.metadata()
 
         # when every layer of the step calls it with the step's metadata
         outs = [

@@ -3,24 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from kernels.reference import ref_paged_attention, ref_store_kvcache
 from tests.kernels.helpers import DEVICES, DTYPES, PagedBatch, assert_close, make_paged_batch
-
-
-def _metadata(batch: PagedBatch) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=batch.slot_mapping,
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables,
-        max_query_len=max(batch.query_lens),
-        max_seq_len=max(batch.seq_lens_list),
-        query_lens_cpu=batch.query_lens,
-        seq_lens_cpu=batch.seq_lens_list,
-    )
 
 
 def _expected(batch: PagedBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -33,7 +20,7 @@ def _expected(batch: PagedBatch, scale: float) -> tuple[torch.Tensor, torch.Tens
 
 
 def _run(backend: AttentionBackend, batch: PagedBatch, scale: float) -> torch.Tensor:
-    return backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, _metadata(batch), scale)
+    return backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.metadata(), scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
