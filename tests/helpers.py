@@ -77,3 +77,37 @@ async def api_post(world: Any, path: str, body: dict, raw_key: str | None = None
     return await AsyncClient().post(
         path, json.dumps(body), content_type="application/json", headers=world.headers(raw_key)
     )
+
+
+def usage_row(
+    key: Any,
+    *,
+    model: str,
+    prompt: int,
+    completion: int,
+    request_id: str,
+    created_at: Any = None,
+    status: str = "success",
+) -> Any:
+    """A ledger row of ``key``'s tenant written as the platform writes one (usage_record_create),
+    dated ``created_at`` when given (the dashboards chart rows by day and hour)."""
+    from tenants.models import UsageRecord
+    from tenants.services import usage_record_create
+
+    record = usage_record_create(
+        tenant_id=key.tenant_id,
+        api_key_id=key.pk,
+        model=model,
+        adapter=None,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=0,
+        time_to_first_token_ms=20.0,
+        latency_ms=300.0,
+        status=status,
+        request_id=request_id,
+    )
+    if created_at is not None:
+        UsageRecord.objects.filter(pk=record.pk).update(created_at=created_at)
+        record.refresh_from_db()
+    return record

@@ -11,12 +11,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from tenants.models import ApiKey, UsageRecord
+from tenants.models import ApiKey
 from tenants.selectors import quota_status
-from tenants.services import usage_record_create
 from tests.e2e.browser import chromium, log_in, screenshot
 from tests.e2e.processes import web_server
-from tests.helpers import PASSWORD
+from tests.helpers import PASSWORD, usage_row
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -39,20 +38,14 @@ def _seed_usage(key: ApiKey) -> None:
         (3, "tiny-qwen", 600, 900),
         (6, "tiny-llama", 1500, 700),
     ]:
-        record = usage_record_create(
-            tenant_id=key.tenant_id,
-            api_key_id=key.pk,
+        usage_row(
+            key,
             model=model,
-            adapter=None,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            cached_tokens=0,
-            time_to_first_token_ms=20.0,
-            latency_ms=300.0,
-            status="success",
+            prompt=prompt,
+            completion=completion,
             request_id=f"seed-{days_ago}-{model}",
+            created_at=timezone.now() - timedelta(days=days_ago),
         )
-        UsageRecord.objects.filter(pk=record.pk).update(created_at=timezone.now() - timedelta(days=days_ago))
 
 
 @pytest.fixture

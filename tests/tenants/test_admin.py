@@ -13,8 +13,8 @@ from django.test import Client
 
 from core.errors import AuthenticationError
 from tenants.models import ApiKey, Membership, Tenant, UsageDaily, UsageRecord
-from tenants.services import api_key_authenticate, api_key_create, usage_record_create, usage_rollup
-from tests.helpers import MODEL
+from tenants.services import api_key_authenticate, api_key_create, usage_rollup
+from tests.helpers import MODEL, usage_row
 
 DEFAULT_RPM = settings.TENANT_DEFAULT_LIMITS["requests_per_minute"]  # the world's tenants have the defaults
 pytestmark = pytest.mark.django_db
@@ -236,21 +236,13 @@ def test_keys_cannot_be_deleted_from_the_admin(operator, world):
 def _record(
     key: ApiKey, request_id: str, *, day: date, hour: int, model: str = MODEL, prompt: int, completion: int
 ):
-    record = usage_record_create(
-        tenant_id=key.tenant_id,
-        api_key_id=key.pk,
+    usage_row(
+        key,
         model=model,
-        adapter=None,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        cached_tokens=0,
-        time_to_first_token_ms=10.0,
-        latency_ms=50.0,
-        status="success",
+        prompt=prompt,
+        completion=completion,
         request_id=request_id,
-    )
-    UsageRecord.objects.filter(pk=record.pk).update(
-        created_at=datetime(day.year, day.month, day.day, hour, tzinfo=UTC)
+        created_at=datetime(day.year, day.month, day.day, hour, tzinfo=UTC),
     )
 
 

@@ -18,15 +18,14 @@ from django.urls import URLResolver, get_resolver, reverse
 from django.utils import timezone
 
 from core.errors import AuthenticationError
-from tenants.models import ApiKey, Membership, UsageRecord
+from tenants.models import ApiKey, Membership
 from tenants.services import (
     api_key_authenticate,
     api_key_create,
     membership_create,
     tenant_create,
-    usage_record_create,
 )
-from tests.helpers import PASSWORD, logged_in
+from tests.helpers import PASSWORD, logged_in, usage_row
 
 pytestmark = pytest.mark.django_db
 
@@ -50,22 +49,15 @@ def world_options() -> dict:
 
 
 def _record(*, key: ApiKey, model: str, prompt: int, completion: int, days_ago: int = 0, status="success"):
-    record = usage_record_create(
-        tenant_id=key.tenant_id,
-        api_key_id=key.pk,
+    return usage_row(
+        key,
         model=model,
-        adapter=None,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        cached_tokens=0,
-        time_to_first_token_ms=12.0,
-        latency_ms=80.0,
+        prompt=prompt,
+        completion=completion,
         status=status,
         request_id=f"req-{key.pk}-{model}-{prompt}-{completion}-{days_ago}",
+        created_at=timezone.now() - timedelta(days=days_ago) if days_ago else None,
     )
-    if days_ago:
-        UsageRecord.objects.filter(pk=record.pk).update(created_at=timezone.now() - timedelta(days=days_ago))
-    return record
 
 
 def test_anonymous_visitor_is_sent_to_the_login_page(world):
