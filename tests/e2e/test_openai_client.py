@@ -89,29 +89,26 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
         )
 
 
-def chat_stream_texts(stream) -> tuple[dict[int, str], dict[int, str], list]:
-    """Content and finish reason per choice index, and the chunks, of a streamed chat completion."""
+def stream_texts(stream, text_of) -> tuple[dict[int, str], dict[int, str], list]:
+    """Text (``text_of`` a streamed choice) and finish reason per choice index, and the chunks."""
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     chunks = list(stream)
     for chunk in chunks:
         for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + text_of(choice)
             if choice.finish_reason is not None:
                 reasons[choice.index] = choice.finish_reason
     return texts, reasons, chunks
+
+
+def chat_stream_texts(stream) -> tuple[dict[int, str], dict[int, str], list]:
+    """Of a streamed chat completion: the content of the deltas."""
+    return stream_texts(stream, lambda choice: choice.delta.content or "")
 
 
 def completion_stream_texts(stream) -> tuple[dict[int, str], dict[int, str], list]:
-    texts: dict[int, str] = {}
-    reasons: dict[int, str] = {}
-    chunks = list(stream)
-    for chunk in chunks:
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + choice.text
-            if choice.finish_reason is not None:
-                reasons[choice.index] = choice.finish_reason
-    return texts, reasons, chunks
+    return stream_texts(stream, lambda choice: choice.text)
 
 
 def ledger_row(response_id: str) -> UsageRecord:

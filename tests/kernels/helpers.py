@@ -151,3 +151,32 @@ def poisoned_caches(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         buffer[1:-1] = cache
         views.append(buffer[1:-1])
     return views[0], views[1]
+
+
+def stored_cpu_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    group: int,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+) -> PagedBatch:
+    """A CPU batch of three KV heads (make_paged_batch) with its new tokens' keys and values
+    already stored in the caches, as the attention backends store them before attending."""
+    from kernels.reference import ref_store_kvcache
+
+    batch = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=3,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cpu",
+        block_size=block_size,
+        seed=seed,
+    )
+    ref_store_kvcache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.slot_mapping)
+    return batch

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from kernels import cpu_paged_decode_attention as cpu_kernel
-from kernels.reference import ref_store_kvcache
 from tests.kernels.helpers import (
     DTYPES,
     assert_close,
     at_one_and_two_threads,
-    make_paged_batch,
     reference_attention,
+    stored_cpu_batch,
 )
 
 pytestmark = [
@@ -21,28 +20,16 @@ pytestmark = [
 ]
 
 
-def _decode_batch(
-    seq_lens: list[int],
-    *,
-    group: int,
-    dtype: torch.dtype,
-    head_dim: int = 64,
-    seed: int = 0,
-    block_size: int = 16,
-):
-    batch = make_paged_batch(
+def _decode_batch(seq_lens: list[int], *, group: int, dtype: torch.dtype, head_dim=64, seed=0, block_size=16):
+    return stored_cpu_batch(
         [1] * len(seq_lens),
         seq_lens,
-        num_kv_heads=3,
         group=group,
-        head_dim=head_dim,
         dtype=dtype,
-        device="cpu",
-        seed=seed,
+        head_dim=head_dim,
         block_size=block_size,
+        seed=seed,
     )
-    ref_store_kvcache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    return batch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

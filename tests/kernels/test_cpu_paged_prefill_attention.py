@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from kernels import cpu_paged_prefill_attention as cpu_prefill
-from kernels.reference import ref_store_kvcache
 from tests.kernels.helpers import (
     DTYPES,
     assert_close,
     at_one_and_two_threads,
-    make_paged_batch,
     reference_attention,
+    stored_cpu_batch,
 )
 
 pytestmark = [
@@ -21,20 +20,7 @@ pytestmark = [
 ]
 
 
-def _batch(query_lens, seq_lens, *, group, dtype=torch.float32, head_dim=64, block_size=16, seed=0):
-    batch = make_paged_batch(
-        query_lens,
-        seq_lens,
-        num_kv_heads=3,
-        group=group,
-        head_dim=head_dim,
-        dtype=dtype,
-        device="cpu",
-        block_size=block_size,
-        seed=seed,
-    )
-    ref_store_kvcache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    return batch
+_batch = stored_cpu_batch
 
 
 def _chunks(batch) -> cpu_prefill.ChunkTable:
