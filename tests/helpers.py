@@ -88,6 +88,8 @@ def usage_row(
     request_id: str,
     created_at: Any = None,
     status: str = "success",
+    adapter: str | None = None,
+    cached: int = 0,
 ) -> Any:
     """A ledger row of ``key``'s tenant written as the platform writes one (usage_record_create),
     dated ``created_at`` when given (the dashboards chart rows by day and hour)."""
@@ -98,10 +100,10 @@ def usage_row(
         tenant_id=key.tenant_id,
         api_key_id=key.pk,
         model=model,
-        adapter=None,
+        adapter=adapter,
         prompt_tokens=prompt,
         completion_tokens=completion,
-        cached_tokens=0,
+        cached_tokens=cached,
         time_to_first_token_ms=20.0,
         latency_ms=300.0,
         status=status,

@@ -7,9 +7,9 @@ from django.utils import timezone
 
 from tenants.models import UsageDaily, UsageRecord
 from tenants.selectors import quota_used_this_month
-from tenants.services import usage_record_create, usage_rollup
+from tenants.services import usage_rollup
 from tenants.tasks import usage_rollup_day, usage_rollup_recent
-from tests.helpers import MODEL, bearer
+from tests.helpers import MODEL, bearer, usage_row
 
 DAY1, DAY2 = date(2026, 3, 9), date(2026, 3, 10)
 
@@ -28,22 +28,17 @@ def _record(
     at: datetime | None = None,
 ) -> UsageRecord:
     key = key or world.key_a
-    record = usage_record_create(
-        tenant_id=key.tenant_id,
-        api_key_id=key.pk,
+    return usage_row(
+        key,
         model=model,
         adapter=adapter,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        cached_tokens=cached,
-        time_to_first_token_ms=12.5,
-        latency_ms=80.0,
+        prompt=prompt,
+        completion=completion,
+        cached=cached,
         status=status,
         request_id=request_id,
+        created_at=at,
     )
-    if at is not None:
-        UsageRecord.objects.filter(pk=record.pk).update(created_at=at)
-    return record
 
 
 def _at(day: date, hour: int) -> datetime:
