@@ -88,19 +88,24 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     lora.add_argument("--max-lora-rank", type=int, default=64)
     grammar = parser.add_argument_group("structured outputs (bounds on a grammar's cost)")
-    grammar.add_argument("--grammar-compile-timeout-s", type=float, default=10.0)
-    grammar.add_argument("--grammar-max-compiles", type=int, default=2, help="compile processes")
-    grammar.add_argument("--grammar-max-compiles-per-tenant", type=int, default=1)
+    bounds = StructuredOutputConfig()  # the defaults are the engine's own
+    grammar.add_argument("--grammar-compile-timeout-s", type=float, default=bounds.compile_timeout_s)
     grammar.add_argument(
-        "--grammar-max-mask-ms", type=float, default=8.0, help="CPU ms one token mask may take"
+        "--grammar-max-compiles", type=int, default=bounds.max_compiles, help="compile processes"
+    )
+    grammar.add_argument(
+        "--grammar-max-compiles-per-tenant", type=int, default=bounds.max_compiles_per_tenant
+    )
+    grammar.add_argument(
+        "--grammar-max-mask-ms", type=float, default=bounds.max_mask_ms, help="CPU ms one token mask may take"
     )
     grammar.add_argument(
         "--grammar-max-request-mask-ms",
         type=float,
-        default=64.0,
+        default=bounds.max_request_mask_ms,
         help="CPU ms one step's masks for one request may take (mask cost x n)",
     )
-    grammar.add_argument("--grammar-cache-bytes", type=parse_size, default=256 * 2**20)
+    grammar.add_argument("--grammar-cache-bytes", type=parse_size, default=bounds.cache_bytes)
     redis_opts = parser.add_argument_group("Redis")
     redis_opts.add_argument(
         "--redis-url",

@@ -19,7 +19,8 @@ from core.errors import InvalidRequestError, PlatformError
 from inference import metrics
 from inference.api.body_json import body_json
 from inference.api.fields import refuse_unsupported
-from inference.api.sse import StreamRenderer, sse_response
+from inference.api.formatting import ChunkStream
+from inference.api.sse import sse_response
 from inference.services import GenerationPlan, collect_choices, generation_start
 
 
@@ -39,7 +40,7 @@ class GenerationApi(ApiView):
 
     kind: str  # chat | completion
     InputSerializer: type[serializers.Serializer]
-    Stream: Callable[[GenerationPlan], StreamRenderer]
+    Stream: Callable[[GenerationPlan], ChunkStream]
 
     def response_body(self, plan: GenerationPlan, choices: list, usage) -> dict[str, Any]:
         raise NotImplementedError

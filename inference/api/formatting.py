@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inference.services import GenerationPlan, GenerationUsage
+from inference.services import ChoiceDelta, ChoiceFinished, GenerationPlan, GenerationUsage
 from inference.tokenization import token_text
 
 
@@ -97,8 +97,9 @@ def chunk_body(
 
 
 class ChunkStream:
-    """What every wire format's renderer of chunks shares (its subclass adds `choices`, and the
-    choices that open a stream where the format has any)."""
+    """A wire format's renderer of a streamed generation (inference.api.<format>.render), which
+    inference.api.sse sends: its subclass turns each item of the event stream into the chunks'
+    choices, and gives the choices that open a stream where the format has any."""
 
     object: str  # each chunk's "object"
 
@@ -110,3 +111,6 @@ class ChunkStream:
 
     def opening(self) -> list[dict[str, Any]]:
         return []
+
+    def choices(self, item: ChoiceDelta | ChoiceFinished) -> list[dict[str, Any]]:
+        raise NotImplementedError

@@ -1,5 +1,5 @@
 """Server-sent events of a streamed generation, whatever its wire format: the format's renderer
-(a StreamRenderer) makes each chunk.
+(a formatting.ChunkStream) makes each chunk.
 
 A failure after the stream began cannot change the status line any more: it is reported as
 `data: {"error": {...}}` followed by `data: [DONE]`, which the OpenAI SDKs raise as an APIError.
@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from django.http import StreamingHttpResponse
 
 from core.errors import PlatformError
-from inference.services import ChoiceDelta, ChoiceFinished, Generation, GenerationUsage
+from inference.api.formatting import ChunkStream
+from inference.services import ChoiceDelta, Generation
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -29,7 +30,7 @@ class _ChoiceFrames:
     """SSE events of one-choice chunks: every field but the choice is the same in each chunk of a
     stream, so it is serialised once and only the choice per token (same bytes as _data(chunk))."""
 
-    def __init__(self, renderer: StreamRenderer) -> None:
+    def __init__(self, renderer: ChunkStream) -> None:
         constant = orjson.dumps(renderer.chunk([]))
         head, tail = constant.split(b'"choices":[]', 1)
         self.head = b"data: " + head + b'"choices":['
@@ -39,20 +40,8 @@ class _ChoiceFrames:
         return self.head + orjson.dumps(choice) + self.tail
 
 
-class StreamRenderer(Protocol):
-    """A wire format's renderer of a streamed generation (inference.api.<format>.render)."""
-
-    def chunk(
-        self, choices: list[dict[str, Any]], usage: GenerationUsage | None = None
-    ) -> dict[str, Any]: ...
-
-    def opening(self) -> list[dict[str, Any]]: ...
-
-    def choices(self, item: ChoiceDelta | ChoiceFinished) -> list[dict[str, Any]]: ...
-
-
 async def sse_stream(
-    generation: Generation, events: AsyncIterator, renderer: StreamRenderer
+    generation: Generation, events: AsyncIterator, renderer: ChunkStream
 ) -> AsyncIterator[bytes]:
     plan = generation.plan
     frame = _ChoiceFrames(renderer)
@@ -75,7 +64,7 @@ async def sse_stream(
 
 
 def sse_response(
-    generation: Generation, events: AsyncIterator, renderer: StreamRenderer
+    generation: Generation, events: AsyncIterator, renderer: ChunkStream
 ) -> StreamingHttpResponse:
     response = StreamingHttpResponse(
         sse_stream(generation, events, renderer), content_type="text/event-stream"
