@@ -288,6 +288,10 @@ ENGINE_HEARTBEAT_TTL = envfloat("PAGODA_ENGINE_HEARTBEAT_TTL", 5.0)
 OWNER_TTL_S = envfloat("PAGODA_OWNER_TTL_S", 10.0)
 SETTLER_SWEEP_S = envfloat("PAGODA_SETTLER_SWEEP_S", 5.0)
 REQUEST_CLAIM_TIMEOUT_MS = envint("PAGODA_REQUEST_CLAIM_TIMEOUT_MS", 15000, minimum=100)
+# A stream whose engine replica is lost is continued by another replica at most this many times
+# (the engine's --max-failovers); the web tier waits for the continuation at most FAILOVER_WAIT_S.
+MAX_FAILOVERS = envint("PAGODA_MAX_FAILOVERS", 2, minimum=0)
+FAILOVER_WAIT_S = envfloat("PAGODA_FAILOVER_WAIT_S", 60.0)
 OUTPUT_STREAM_TTL = envint("PAGODA_OUTPUT_STREAM_TTL", 600, minimum=10)
 # The prompt logprob entries one response may carry (n x prompt tokens x (top logprobs + 1), per
 # body part that repeats them): a prompt is paid once, its logprobs are built once per choice.

@@ -59,7 +59,8 @@ class GrammarWaits:
             assert job is not None  # done() lists only requests that wait for a grammar
             future = job.future
             req = engine.request(request_id)
-            seqs = [c.seq for c in req.completions]
+            # Not those that a resumed request had finished on its lost replica.
+            seqs = [c.seq for c in req.completions if c.finish_reason is None]
             error = compile_error(future)
             if error is None:
                 try:
@@ -75,7 +76,7 @@ class GrammarWaits:
                         engine.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
                     error = exc
             if error is None:
-                engine.grammars.bind([s.seq_id for s in seqs], future.result())
+                engine.grammars.bind(seqs, future.result())
                 continue
             req.error = str(error)
             req.error_code = getattr(error, "code", None) or (

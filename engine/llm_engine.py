@@ -28,6 +28,7 @@ from engine.request_state import (
     EngineRequest,
     check_request_fields,
 )
+from engine.resume import Resume, replay
 from engine.sampling_params import SamplingParams
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -74,9 +75,12 @@ class LLMEngine:
         self._requests: dict[str, EngineRequest] = {}
         self._completions: dict[int, Completion] = {}  # seq_id -> completion
         self.grammar_waits = GrammarWaits(self)
+        self._ended_at_add: dict[str, None] = {}  # resumed requests that had ended on the lost replica
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_resumed_requests = 0  # taken over from lost replicas (engine.resume)
+        self.num_resumed_tokens = 0
         # Per-phase step timings when set (the engine benchmarks do); None costs nothing.
         self.profile: StepProfile | None = None
 
@@ -102,20 +106,23 @@ class LLMEngine:
         lora: LoRARef | None = None,
         weight: float = 1.0,
         deadline: float | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """Queue a request; ``lora`` (name, path, version) names an adapter of ``tenant``, or None
         for the base model. ``weight`` is the tenant's fair-share weight; ``deadline`` the unix
-        time by which the request must have started, else it is dropped (queue_timeout)."""
+        time by which the request must have started, else it is dropped (queue_timeout).
+        ``resume``: a request taken over from a lost replica, continued from what it had streamed
+        (engine.resume); it has started already, so no queue deadline applies."""
         check_request_fields(request_id, sampling_params, tenant, cache_salt, priority, weight, deadline)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.scheduler.check_num_seqs(sampling_params.n)  # before a grammar waits outside the scheduler
-        prompt = list(prompt_token_ids)
-        bad = [
-            t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        prompt = self._checked_token_ids(prompt_token_ids, "prompt")
+        if resume is not None:
+            sampling_params = resume.sampling_params(sampling_params)
+            for tokens in resume.outputs:
+                self._checked_token_ids(tokens, "resumed output")
+            deadline = None
         grammar: CompileJob | None = None
         if sampling_params.structured_outputs is not None:
             grammar = self.grammars.acquire(
@@ -131,22 +138,29 @@ class LLMEngine:
         # The first add carries every size check; siblings are identical, so they cannot fail after it.
         added: list[Sequence] = []
         try:
-            seqs = [
-                Sequence(
-                    request_id,
-                    prompt,
-                    sampling_params,
-                    index=i,
-                    tenant=tenant,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    lora_id=lora_id,
-                    arrival_time=now,
-                    weight=float(weight),
-                    deadline=None if deadline is None else float(deadline),
+            completions = [
+                Completion(
+                    Sequence(
+                        request_id,
+                        prompt,
+                        sampling_params,
+                        index=i,
+                        tenant=tenant,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                        lora_id=lora_id,
+                        arrival_time=now,
+                        weight=float(weight),
+                        deadline=None if deadline is None else float(deadline),
+                    ),
+                    OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids),
                 )
                 for i in range(sampling_params.n)
             ]
+            if resume is not None:
+                for c in completions:
+                    replay(c, resume.outputs[c.seq.index], self.max_model_len)
+            seqs = [c.seq for c in completions if c.finish_reason is None]
             # A grammar still compiling: the request waits outside the scheduler until it is ready
             # (decided once: the compile thread may finish at any moment).
             compiled = grammar is None or grammar.future.done()
@@ -161,10 +175,6 @@ class LLMEngine:
             if grammar is not None:
                 self.grammars.manager.release(grammar)
             raise
-        completions = [
-            Completion(seq, OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids))
-            for seq in seqs
-        ]
         for c in completions:
             c.logprobs_delta = None if sampling_params.logprobs is None else []
             if sampling_params.logprobs is not None:
@@ -177,14 +187,32 @@ class LLMEngine:
             prompt_logprobs_due=sampling_params.prompt_logprobs is not None,
         )
         self.num_prompt_tokens += len(prompt)
+        if resume is not None:
+            self.num_resumed_requests += 1
+            self.num_resumed_tokens += resume.num_tokens
+        for c in completions:
+            if c.finish_reason is not None:  # ended on the lost replica: not run again
+                c.seq.status = STATUS_OF_FINISH[c.finish_reason]
+                self.finish_completion(c.seq, c.finish_reason, c.stop_reason)
+        if not seqs:
+            self._ended_at_add[request_id] = None  # reported by the next step
         if grammar is not None:
             if compiled:
-                self.grammars.bind([s.seq_id for s in seqs], grammar.future.result())
+                self.grammars.bind(seqs, grammar.future.result())
                 self.grammars.manager.release(grammar)
             else:
                 self.grammars.waiting[request_id] = WaitingGrammar(
                     grammar, None if deadline is None else float(deadline)
                 )
+
+    def _checked_token_ids(self, token_ids: Seq[int], what: str) -> list[int]:
+        tokens = list(token_ids)
+        bad = [
+            t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
+        if bad:
+            raise InvalidRequestError(f"{what} token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return tokens
 
     def _lora_id(self, tenant: str, lora: LoRARef | None, num_seqs: int) -> int:
         if lora is None:
@@ -213,7 +241,8 @@ class LLMEngine:
         profile = self.profile
         if profile is not None:
             profile.start()
-        touched: dict[str, None] = {}
+        touched: dict[str, None] = self._ended_at_add
+        self._ended_at_add = {}
         if self.grammars.waiting:
             touched.update(self.grammar_waits.step())
         sched_out = self.scheduler.schedule()
@@ -322,6 +351,8 @@ class LLMEngine:
             num_free_blocks=blocks.num_free_blocks,
             num_total_blocks=blocks.num_total_blocks,
             loras_loaded=self.lora_manager.loaded_names() if self.lora_manager is not None else [],
+            num_resumed_requests=self.num_resumed_requests,
+            num_resumed_tokens=self.num_resumed_tokens,
         )
 
     def get_stats(self) -> dict[str, int | float | list[str]]:

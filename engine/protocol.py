@@ -180,7 +180,9 @@ class Usage:
 class Event:
     """One entry of a request's output stream."""
 
-    type: str  # delta | finished | error
+    # delta | finished | error | failover (a replica took the request over from a lost one: what
+    # follows continues the stream; `replica` names the new holder)
+    type: str
     outputs: list[dict[str, Any]] = field(default_factory=list)  # DeltaOutput / FinishedOutput dicts
     usage: dict[str, int] | None = None  # on finished (and on error when tokens were produced)
     message: str | None = None  # on error
@@ -210,6 +212,10 @@ class Event:
     def error(cls, message: str, code: str, usage: Usage | None = None) -> Event:
         return cls(type="error", message=message, code=code, usage=asdict(usage) if usage else None)
 
+    @classmethod
+    def failover(cls, replica: str) -> Event:
+        return cls(type="failover", replica=replica)
+
     def encode(self) -> dict[str, bytes]:
         # The fields as they are (no deep copy: encoding only reads them), by the fast encoder.
         return {"data": orjson.dumps({name: getattr(self, name) for name in _EVENT_FIELDS})}
@@ -223,12 +229,13 @@ class Event:
             event = cls(**raw)
         except TypeError as exc:
             raise ProtocolError(f"malformed event: {exc}") from exc
-        if event.type not in ("delta", "finished", "error"):
+        if event.type not in EVENT_TYPES:
             raise ProtocolError(f"unknown event type {event.type!r}")
         return event
 
 
 _EVENT_FIELDS = tuple(Event.__dataclass_fields__)
+EVENT_TYPES = frozenset({"delta", "finished", "error", "failover"})
 
 
 def _data_field(fields: dict) -> dict[str, Any]:
@@ -255,6 +262,10 @@ class ReplicaStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     loras_loaded: list[str] = field(default_factory=list)
+    # Requests this replica took over from lost replicas and continued, and the tokens they had
+    # streamed there (computed again here, less what the prefix cache held).
+    num_resumed_requests: int = 0
+    num_resumed_tokens: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     # Shutting down: it finishes what runs but takes nothing new (not ready; still live).

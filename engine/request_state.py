@@ -95,6 +95,8 @@ class EngineLoad:
     num_free_blocks: int
     num_total_blocks: int
     loras_loaded: list[str]
+    num_resumed_requests: int = 0
+    num_resumed_tokens: int = 0
 
 
 def check_request_fields(

@@ -130,6 +130,7 @@ ENGINE_SETTINGS = {
     "claim_timeout_ms": "int",
     "heartbeat_interval": "float",
     "drain_grace_s": "float",
+    "max_failovers": "int",
     "max_loras": "int",
     "max_cpu_loras": "int",
     "max_lora_rank": "int",

@@ -97,7 +97,9 @@ class Scheduler:
             )
         max_tokens = seq.max_tokens
         max_len = (
-            cfg.max_model_len if max_tokens is None else min(seq.num_tokens + max_tokens, cfg.max_model_len)
+            cfg.max_model_len
+            if max_tokens is None
+            else min(seq.num_prompt_tokens + max_tokens, cfg.max_model_len)
         )
         if bm.num_blocks_for(max_len) > bm.num_total_blocks:
             raise RequestTooLargeError(

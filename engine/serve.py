@@ -4,8 +4,9 @@ Loads the model, then serves its Redis request stream until SIGTERM or SIGINT, w
 new is taken, the requests taken but not started go back to the model's stream at once (another
 replica takes them), running ones get --drain-grace-s to finish, the heartbeat says `draining` until
 the heartbeat is removed, and the exit status is 0. When the grace period ends, or at a second
-signal, it stops at once: requests that streamed get an error event (engine_shutdown), the others
-are handed back. Exit status 1 means the engine failed; a process supervisor is expected to restart it.
+signal, it stops at once: every request it holds is handed back, and the replica that takes one
+that streamed continues it (at most --max-failovers times per request; with 0, such a request
+gets an error event, engine_shutdown). Exit status 1 means the engine failed; a process supervisor is expected to restart it.
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--max-held", type=int, default=0, help="requests taken at once; 0: 2 x max-num-seqs"
     )
     redis_opts.add_argument(
+        "--max-failovers",
+        type=int,
+        default=2,
+        help="times a streaming request may be continued by another replica after losing its own",
+    )
+    redis_opts.add_argument(
         "--drain-grace-s",
         type=float,
         default=30.0,
@@ -186,6 +193,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         output_ttl_s=args.output_ttl,
         max_held=args.max_held or 2 * args.max_num_seqs,
         drain_grace_s=args.drain_grace_s,
+        max_failovers=args.max_failovers,
     )
 
 

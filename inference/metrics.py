@@ -52,6 +52,17 @@ E2E_LATENCY = Histogram(
     "pagoda_e2e_request_latency_seconds", "From request arrival to its end", _LABELS, buckets=_LATENCY_BUCKETS
 )
 
+STREAM_FAILOVERS = Counter(
+    "pagoda_stream_failovers_total",
+    "Streams continued by another engine replica after losing theirs",
+    ["model"],
+)
+STREAM_FAILOVER_GAP = Histogram(
+    "pagoda_stream_failover_gap_seconds",
+    "The pause a failover put in a stream: its last token before, to its first token after",
+    ["model"],
+    buckets=(0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 30, 60, 120),
+)
 ANONYMOUS = "-"
 
 
@@ -88,6 +99,11 @@ def record_finished(
     E2E_LATENCY.labels(tenant, model).observe(latency_s)
     if error_code:
         ERRORS.labels(tenant, model, error_code).inc()
+
+
+def record_failover(*, model: str, gap_s: float) -> None:
+    STREAM_FAILOVERS.labels(model).inc()
+    STREAM_FAILOVER_GAP.labels(model).observe(gap_s)
 
 
 class EngineCollector(Collector):

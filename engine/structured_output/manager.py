@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -29,6 +30,8 @@ from engine.errors import InvalidRequestError
 from engine.protocol import ErrorCode
 from engine.structured_output.compiler import CompileJob, CompilePool, GrammarCompileError
 from engine.structured_output.spec import spec_key
+
+logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
@@ -204,9 +207,17 @@ class GrammarRequests:
             raise
         return job
 
-    def bind(self, seq_ids: Sequence[int], compiled: Any) -> None:
-        for seq_id in seq_ids:
-            self.matchers[seq_id] = self.manager.matcher(compiled)
+    def bind(self, seqs: Sequence[Any], compiled: Any) -> None:
+        """A matcher per sequence, advanced through the outputs it already has (a request resumed
+        from a lost replica's stream)."""
+        for seq in seqs:
+            matcher = self.matchers[seq.seq_id] = self.manager.matcher(compiled)
+            for token in seq.output_token_ids:
+                if not matcher.accept_token(token):
+                    logger.error(
+                        "a resumed output token %d left its grammar (request %s)", token, seq.request_id
+                    )
+                    break
 
     def done(self) -> list[str]:
         """Waiting requests whose grammar is compiled (or failed), in arrival order."""

@@ -50,6 +50,8 @@ class Heartbeat:
             num_free_blocks=load.num_free_blocks,
             num_total_blocks=load.num_total_blocks,
             loras_loaded=list(load.loras_loaded),
+            num_resumed_requests=load.num_resumed_requests,
+            num_resumed_tokens=load.num_resumed_tokens,
             started_at=self.started_at,
             heartbeat_at=time.time(),
             draining=draining,

@@ -1,16 +1,19 @@
 """How the worker takes a request entry into its engine: the request id of an entry too malformed
-to decode, what a reclaimed request's output stream says about it, and the engine's refusals as
-error events."""
+to decode, what a taken-over request's output stream says about it (engine.resume), and the
+engine's refusals as error events."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from engine.lora.errors import LoRADisabledError, LoRALoadError
 from engine.protocol import ErrorCode, Event, GenerateRequest, Usage
+from engine.resume import Resume
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -26,32 +29,58 @@ def request_id_of(fields: dict) -> str | None:
     return request_id if isinstance(request_id, str) and request_id else None
 
 
-def settle_reclaimed(
-    request: GenerateRequest, seen: list[Event], deliveries: int, max_deliveries: int
-) -> tuple[bool, Event | None]:
-    """For a request reclaimed from a dead replica, given the events its output stream holds:
-    whether it is settled already or now (not to run here), and the event that settles it now.
-    - Finished or failed: settled, nothing more to send.
-    - Part of its output streamed: running it again would stream its text a second time to a
-      reader that already has part; it ends with engine_failed, billed for what was sent.
-    - Delivered more than max_deliveries times: it failed on that many replicas; engine_failed.
-    - Otherwise it runs here."""
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """What a replica does with a request that another replica held (reclaimed from a dead one, or
+    handed back by a stopping one), given what its output stream shows."""
+
+    settled: bool  # answered already, or answered now by `event`: not to run here
+    event: Event | None = None
+    resume: Resume | None = None  # it streamed: continue it from there
+
+
+def take_over(
+    request: GenerateRequest, seen: list[Event], deliveries: int, settings: WorkerSettings
+) -> Takeover:
+    """- Finished or failed: settled, nothing more to send.
+    - Part of its output streamed: continued here from what was sent (a failover), unless it has
+      lost its replica more than max_failovers times, or was delivered more than max_deliveries
+      times (it may be what kills the replicas taking it); then it ends with engine_failed,
+      billed for what was sent.
+    - Nothing streamed: it runs here from its start, within the same max_deliveries."""
     if any(e.type in ("finished", "error") for e in seen):
-        return True, None
-    produced = sum(len(o.get("token_ids", ())) for e in seen if e.type == "delta" for o in e.outputs)
-    usage = Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=produced)
-    if any(e.type == "delta" for e in seen):
-        return True, Event.error(
-            "the engine replica serving this request stopped", ErrorCode.ENGINE_FAILED, usage
+        return Takeover(settled=True)
+    n = request.sampling_params.get("n", 1) if isinstance(request.sampling_params, dict) else 1
+    try:
+        resume = Resume.from_events(seen, n if isinstance(n, int) and n > 0 else 1)
+    except InvalidRequestError:
+        resume, seen = None, [*seen, Event(type="delta")]  # unreadable: never continue it
+    usage = Usage(
+        prompt_tokens=len(request.prompt_token_ids),
+        completion_tokens=resume.num_tokens if resume is not None else 0,
+    )
+    streamed = any(e.type == "delta" for e in seen)
+    if streamed and (resume is None or resume.failovers > settings.max_failovers):
+        lost = (
+            "stopped"
+            if resume is None or settings.max_failovers == 0
+            else f"was lost {resume.failovers} times"
         )
-    if deliveries > max_deliveries:
-        return True, Event.error(
-            f"the request failed on {deliveries - 1} engine replicas", ErrorCode.ENGINE_FAILED, usage
+        return Takeover(
+            True,
+            Event.error(f"the engine replica serving this request {lost}", ErrorCode.ENGINE_FAILED, usage),
         )
-    return False, None
+    if deliveries > settings.max_deliveries:
+        return Takeover(
+            True,
+            Event.error(
+                f"the request failed on {deliveries - 1} engine replicas", ErrorCode.ENGINE_FAILED, usage
+            ),
+        )
+    return Takeover(settled=False, resume=resume)
 
 
-def add_to_engine(engine: LLMEngine, request: GenerateRequest) -> Event | None:
+def add_to_engine(engine: LLMEngine, request: GenerateRequest, resume: Resume | None = None) -> Event | None:
     """Adds the request to the engine; an error event when the engine refuses it."""
     try:
         params = SamplingParams.from_dict(request.sampling_params)
@@ -65,6 +94,7 @@ def add_to_engine(engine: LLMEngine, request: GenerateRequest) -> Event | None:
             lora=request.lora,  # the engine keys it by (tenant, name, version)
             weight=request.weight,
             deadline=request.deadline,
+            resume=resume,
         )
     except LoRADisabledError:
         return Event.error("this engine replica does not serve LoRA adapters", ErrorCode.LORA_UNAVAILABLE)

@@ -3,7 +3,11 @@
 Per iteration: (re)claim requests, take new ones (a bounded blocking read only when the engine is
 idle), apply cancels, one engine step, then one pipeline with every event of the step and the acks
 of the requests that ended. Delivery is at-least-once; what keeps a reader from seeing an answer
-twice is that a reclaimed request which had already streamed is failed, never run again.
+twice is that a request taken over from another replica (reclaimed from a dead one, or handed back)
+which had already streamed is never run again from its start: it is continued from what its output
+stream shows, after a failover marker that fences out anything the lost replica still writes
+(engine.resume, RequestQueue.take_over). A replica whose heartbeat lapsed has its requests taken
+over at once; one that only stopped touching them, after the claim timeout.
 
 Redis unreachable (restarting, a blip, an outage): the loop stops stepping, keeps every request
 it holds with its sequences and unsent events, and retries with backoff, logging once when the
@@ -13,7 +17,8 @@ its unsent events, which are written exactly once). It does not exit.
 Draining (the first stop request): nothing new is taken; requests held here that have not started
 (nothing streamed, no sequence running in the engine) go back to the stream at once for another
 replica; the running ones get `drain_grace_s` to finish, after which the replica stops as at a
-second stop request: requests that streamed get an error, the rest are handed back.
+second stop request: every request it holds is handed back, and the replica taking one that
+streamed continues it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING
 from engine.outputs import RequestOutput
 from engine.protocol import ErrorCode, Event, GenerateRequest, ProtocolError, ReplicaStats
 from engine.worker.heartbeat import Heartbeat
-from engine.worker.intake import add_to_engine, request_id_of, settle_reclaimed
+from engine.worker.intake import Takeover, add_to_engine, request_id_of, take_over
 from engine.worker.outputs import HeldRequest, events_for_output
 from engine.worker.queue import CONNECTION_ERRORS, RequestQueue
 from engine.worker.settings import WorkerSettings
@@ -81,6 +86,7 @@ class EngineWorker:
         now = time.monotonic()
         self._next_touch = now + self.settings.touch_interval_s
         self._next_reclaim = now
+        self._next_orphan_check = now
         self._next_heartbeat = now + self.settings.heartbeat_interval_s
         self._drain_deadline: float | None = None
         try:
@@ -127,6 +133,9 @@ class EngineWorker:
         if not self._stopping and now >= self._next_reclaim:
             self._reclaim()
             self._next_reclaim = now + self.settings.reclaim_interval_s
+        if not self._stopping and now >= self._next_orphan_check:
+            self._claim_orphans()
+            self._next_orphan_check = now + self.settings.heartbeat_interval_s
         if not self._stopping:
             self._read_requests(block=not self.engine.has_unfinished_requests())
         # After the reads: a request cancelled while this replica blocked on the stream is
@@ -203,6 +212,16 @@ class EngineWorker:
             logger.info("reclaimed request entry %s (delivery %d)", message_id, deliveries)
             self._take(message_id, fields, reclaimed=True, deliveries=deliveries)
 
+    def _claim_orphans(self) -> None:
+        room = self.max_held - len(self._held)
+        if room <= 0:
+            return
+        for message_id, fields, deliveries in self.queue.claim_orphans(room):
+            logger.info(
+                "took over request entry %s from a lost replica (delivery %d)", message_id, deliveries
+            )
+            self._take(message_id, fields, reclaimed=True, deliveries=deliveries)
+
     def _take(self, message_id: bytes, fields: dict, *, reclaimed: bool = False, deliveries: int = 1) -> None:
         try:
             request = GenerateRequest.decode(fields)
@@ -220,35 +239,50 @@ class EngineWorker:
             if held.message_id != message_id:
                 self._acks.append(message_id)
             return
-        if reclaimed and self._settled_elsewhere(request, message_id, deliveries):
-            return
+        resume = None
+        # An entry that another replica held (reclaimed, or handed back by a stopping one) may have
+        # streamed: its output stream says whether it is settled, or continues from where it was.
+        if reclaimed or b"handed" in fields or "handed" in fields:
+            takeover = self._take_over(request, message_id, deliveries)
+            if takeover.settled:
+                return
+            resume = takeover.resume
         held = HeldRequest(
             request_id=request.request_id,
             message_id=message_id,
             n=int(request.sampling_params.get("n", 1)) if isinstance(request.sampling_params, dict) else 1,
             num_prompt_tokens=len(request.prompt_token_ids),
         )
+        if resume is not None:
+            held.completion_tokens = [len(tokens) for tokens in resume.outputs]
+            held.replica_marked = True  # by the failover marker
         if self._cancelled.pop(request.request_id, None) is not None:
             self._end(held, held.aborted_event())
             return
-        error = add_to_engine(self.engine, request)
+        error = add_to_engine(self.engine, request, resume)
         if error is not None:
             self._end(held, error)
             return
         self._held[request.request_id] = held
 
-    def _settled_elsewhere(self, request: GenerateRequest, message_id: bytes, deliveries: int) -> bool:
-        """For a reclaimed request: answer it from what its output stream shows, when that is needed."""
+    def _take_over(self, request: GenerateRequest, message_id: bytes, deliveries: int) -> Takeover:
         try:
-            seen = self.queue.read_output(request.request_id)
+            seen, _ = self.queue.take_over(request.request_id)
         except ProtocolError:
             seen = [Event(type="error")]  # unreadable output: never stream a second answer into it
-        settled, event = settle_reclaimed(request, seen, deliveries, self.settings.max_deliveries)
-        if event is not None:
-            self._events.append((request.request_id, event))
-        if settled:
+        takeover = take_over(request, seen, deliveries, self.settings)
+        if takeover.event is not None:
+            self._events.append((request.request_id, takeover.event))
+        if takeover.settled:
             self._acks.append(message_id)
-        return settled
+        elif takeover.resume is not None:
+            logger.info(
+                "continuing request %s after %d tokens (failover %d)",
+                request.request_id,
+                takeover.resume.num_tokens,
+                takeover.resume.failovers,
+            )
+        return takeover
 
     # --- cancels, outputs -----------------------------------------------------------------------
 
@@ -270,12 +304,13 @@ class EngineWorker:
             held = self._held.get(output.request_id)
             if held is None:
                 continue  # aborted or lost this step; its end was already written or is not ours
-            first = not held.has_streamed
             events = events_for_output(held, output)
-            if first and events and events[0].type == "delta":
-                # The reader learns which replica holds its request from the first delta, so it
-                # can fail fast when that replica's heartbeat stops (not on every token: bytes).
+            if not held.replica_marked and events and events[0].type == "delta":
+                # The reader learns which replica holds its request from the first delta (or from
+                # a failover marker), so it can tell when that replica's heartbeat stops (not on
+                # every token: bytes).
                 events[0].replica = self.settings.replica_id
+                held.replica_marked = True
             self._events.extend((held.request_id, e) for e in events)
             if events and events[-1].type in ("finished", "error"):
                 del self._held[held.request_id]
@@ -296,7 +331,9 @@ class EngineWorker:
         self.queue.publish(events, acks)
 
     def _fail_all(self, code: ErrorCode, message: str, *, hand_back: bool) -> None:
-        """Give up on every held request: a reader that saw output gets an error, the rest go back.
+        """Give up on every held request: all go back to the stream, where the replica that takes
+        one that streamed continues it (a failover); with max_failovers 0, a reader that saw output
+        gets an error instead.
 
         A stopping replica (`hand_back`) re-adds them to the stream, where any replica's next read
         takes them. After an engine failure they are released instead, to the next reclaim, which
@@ -305,7 +342,7 @@ class EngineWorker:
         """
         unstarted: list[bytes] = []
         for held in list(self._held.values()):
-            if held.has_streamed:
+            if held.has_streamed and not self.settings.max_failovers:
                 self._end(held, Event.error(message, code, held.usage()))
             else:
                 unstarted.append(held.message_id)

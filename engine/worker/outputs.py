@@ -24,6 +24,7 @@ class HeldRequest:
     num_cached_tokens: int = 0
     completion_tokens: list[int] = field(default_factory=list)  # tokens sent so far, per index
     finish_reasons: dict[int, FinishedOutput] = field(default_factory=dict)
+    replica_marked: bool = False  # its stream says this replica holds it (first delta, or failover)
 
     def __post_init__(self) -> None:
         if not self.completion_tokens:

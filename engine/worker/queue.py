@@ -58,7 +58,8 @@ _RELEASED_IDLE_MS = 10**12
 # of any replica takes at once (a released pending entry waits for someone's XAUTOCLAIM, every few
 # seconds). In one script: the copy is added exactly when the original is acked, and only for an
 # entry still ours (one another replica reclaimed from us is its to answer). The original is
-# deleted too: acked, it would keep a second copy of the prompt until trimmed.
+# deleted too: acked, it would keep a second copy of the prompt until trimmed. The copy is marked
+# `handed`: whoever takes it looks at its output stream first, since it may have streamed.
 _HAND_BACK_SCRIPT = """
 local handed = {}
 for i = 3, #ARGV do
@@ -66,7 +67,16 @@ for i = 3, #ARGV do
   if p[1] and p[1][2] == ARGV[2] then
     local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
     if entry[1] then
-      redis.call('XADD', KEYS[1], '*', unpack(entry[1][2]))
+      local fields = {}
+      for j = 1, #entry[1][2], 2 do
+        if entry[1][2][j] ~= 'handed' then
+          fields[#fields + 1] = entry[1][2][j]
+          fields[#fields + 1] = entry[1][2][j + 1]
+        end
+      end
+      fields[#fields + 1] = 'handed'
+      fields[#fields + 1] = '1'
+      redis.call('XADD', KEYS[1], '*', unpack(fields))
     end
     redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
     redis.call('XDEL', KEYS[1], ARGV[i])
@@ -75,6 +85,38 @@ for i = 3, #ARGV do
 end
 return handed
 """
+
+
+# Take a request over from a lost replica: its output stream as it stands, and, when it ends in
+# the middle of an answer (a delta, or an earlier takeover's marker), a failover marker appended in
+# the same script. The marker is the fence: its id is above every id the lost replica's run used,
+# so anything that replica still writes (it may only have stalled) is refused as too small, and
+# what came before the marker is exactly what the new holder continues from.
+_TAKE_OVER_SCRIPT = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+local n = #entries
+if n == 0 then
+  return {entries, false}
+end
+local last = entries[n][2]
+local data = nil
+for i = 1, #last, 2 do
+  if last[i] == 'data' then
+    data = last[i + 1]
+  end
+end
+local ok, decoded = pcall(cjson.decode, data or '')
+if not ok or type(decoded) ~= 'table' or (decoded.type ~= 'delta' and decoded.type ~= 'failover') then
+  return {entries, false}
+end
+local id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {entries, id}
+"""
+
+# An entry of a replica whose heartbeat lapsed is taken only when idle this long: two live replicas
+# looking at once both try, and the first claim resets the idle time the second one needs.
+ORPHAN_MIN_IDLE_MS = 1000
 
 
 def _text(value: bytes | str) -> str:
@@ -108,6 +150,8 @@ class RequestQueue:
         self.heartbeat_ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
         self._touch = client.register_script(_TOUCH_SCRIPT)
         self._hand_back = client.register_script(_HAND_BACK_SCRIPT)
+        self._take_over = client.register_script(_TAKE_OVER_SCRIPT)
+        self.heartbeat_ttl_s = heartbeat_ttl_s
         self._autoclaim_cursor: bytes | str = "0-0"
         self._cancel_cursor: bytes | str = "0-0"
         # Output stream entry ids of the requests this replica writes to: [stamp ms, next number].
@@ -149,6 +193,35 @@ class RequestQueue:
         # Entries trimmed from the stream while pending are listed apart (Redis 7); Redis deletes
         # them from the group itself.
         return self._with_deliveries([(_b(mid), fields or {}) for mid, fields in reply[1]])
+
+    def claim_orphans(self, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
+        """Claim the entries held by replicas whose heartbeat lapsed (dead, or cut off from Redis),
+        at once rather than after the claim timeout; with how often each was delivered."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrangebyscore(replicas_key(self.prefix, self.model), time.time() - self.heartbeat_ttl_s, "+inf")
+        pipe.xpending(self.stream, CONSUMER_GROUP)
+        live_ids, summary = pipe.execute()
+        live = {_text(r) for r in live_ids} | {self.replica_id}
+        orphaned = [_text(c["name"]) for c in summary.get("consumers") or () if _text(c["name"]) not in live]
+        claimed: list[Entry] = []
+        for consumer in orphaned:
+            if len(claimed) >= count:
+                break
+            rows = self.client.xpending_range(
+                self.stream, CONSUMER_GROUP, "-", "+", count - len(claimed), consumername=consumer
+            )
+            if not rows:
+                continue
+            reply: list[Any] = self.client.xclaim(
+                self.stream,
+                CONSUMER_GROUP,
+                self.replica_id,
+                ORPHAN_MIN_IDLE_MS,
+                [row["message_id"] for row in rows],
+            )
+            # An entry trimmed while pending comes back without fields; Redis drops it from the group.
+            claimed.extend((_b(mid), fields) for mid, fields in reply if fields)
+        return self._with_deliveries(claimed)
 
     def _with_deliveries(self, entries: list[Entry]) -> list[tuple[bytes, dict[bytes, bytes], int]]:
         if not entries:
@@ -285,9 +358,21 @@ class RequestQueue:
                 cut = min(cut, (ms, seq + 1))
         self.client.xtrim(self.stream, minid=f"{cut[0]}-{cut[1]}", approximate=False)
 
-    def read_output(self, request_id: str) -> list[Event]:
-        entries: list[tuple[Any, dict[Any, Any]]] = self.client.xrange(output_stream(self.prefix, request_id))  # type: ignore[assignment]  # never None on a sync client
-        return [Event.decode(fields) for _, fields in entries]
+    def take_over(self, request_id: str) -> tuple[list[Event], bool]:
+        """A request's output stream as it stands, for a replica taking it over; and whether it was
+        in the middle of an answer, in which case a failover marker naming this replica now ends it
+        (see _TAKE_OVER_SCRIPT) and this replica's own events follow the marker."""
+        marker = Event.failover(self.replica_id).encode()["data"]
+        entries, marker_id = self._take_over(
+            keys=[output_stream(self.prefix, request_id)], args=[marker, self.output_ttl_s]
+        )
+        events = [Event.decode(dict(zip(fields[::2], fields[1::2], strict=True))) for _, fields in entries]
+        if not marker_id:
+            return events, False
+        ms, seq = _stream_id(marker_id)
+        self._entry_ids[request_id] = [ms, seq + 1]
+        self._expire_set_at[output_stream(self.prefix, request_id)] = time.monotonic()
+        return [*events, Event.failover(self.replica_id)], True
 
     # --- cancels --------------------------------------------------------------------------------
 

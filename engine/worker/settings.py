@@ -32,13 +32,16 @@ class WorkerSettings:
     # A request delivered more often than this failed on every replica that took it (it may be what
     # kills them): it is answered with an error instead of being run again.
     max_deliveries: int = 3
+    # A request whose replica is lost while it streams is continued by another replica (a failover)
+    # at most this many times; after that it ends with engine_failed. 0: never continued.
+    max_failovers: int = 2
     # Requests held at once (running + waiting in the engine); the rest stay in the shared stream
     # where another replica can take them. 0: 256 (`engine serve` passes twice its max_num_seqs).
     max_held: int = 0
     # How far back the cancel stream is read at start, to see cancels of requests taken later.
     cancel_lookback_s: float = 60.0
-    # A draining replica (first SIGTERM) gives this long to the sequences it runs; then those that
-    # streamed get an error and the rest are handed back.
+    # A draining replica (first SIGTERM) gives this long to the sequences it runs; then every request
+    # it holds is handed back (one that streamed is continued by the replica taking it).
     drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -54,6 +57,8 @@ class WorkerSettings:
             raise ConfigError("output_ttl_s must be >= 1")
         if self.idle_block_ms < 1 or self.max_deliveries < 1 or self.max_held < 0:
             raise ConfigError("idle_block_ms and max_deliveries must be >= 1, max_held >= 0")
+        if self.max_failovers < 0:
+            raise ConfigError(f"max_failovers must be >= 0, got {self.max_failovers}")
         if self.drain_grace_s < 0:
             raise ConfigError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
+
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError, RateLimitError, ServiceUnavailableError
 from core.redis_client import REDIS_CONNECTION_ERRORS
@@ -157,6 +159,12 @@ class Generation:
     _gaps: list[float] = field(default_factory=list)
     _queued: set[str] = field(default_factory=set)  # engine requests holding a place in the queue bounds
     _redis_lost_at: float | None = None  # monotonic: when this stream last found Redis unreachable
+    # Failover: engine requests whose replica was found gone (monotonic time), waiting for another
+    # to take them over; and those taken over, with when their last delta before it came.
+    _orphaned_at: dict[str, float] = field(default_factory=dict)
+    _taken_over: dict[str, float] = field(default_factory=dict)
+    _last_delta_at: dict[str, float] = field(default_factory=dict)
+    failovers: int = 0
 
     def __post_init__(self) -> None:
         self.usage = GenerationUsage(prompt_tokens=self.plan.prompt_tokens)
@@ -329,9 +337,16 @@ class Generation:
                     await self._release_queue_places([rid], started=event.code != ErrorCode.QUEUE_TIMEOUT)
                 if event.replica:
                     self._replicas[rid] = event.replica
+                self._orphaned_at.pop(rid, None)
+                if event.type == "failover":  # another replica continues it from here
+                    self.failovers += 1
+                    self._taken_over[rid] = self._last_delta_at.get(rid, time.perf_counter())
+                    logger.info("request %s was taken over by engine replica %s", rid, event.replica)
+                    continue
                 if event.type == "error":
                     raise _engine_error(event)
                 if event.type == "delta":
+                    self._on_delta(rid)
                     if event.prompt_logprobs is not None:
                         yield PromptLogprobs(prompt=offsets[rid] // plan.n, entries=event.prompt_logprobs)
                     if plan.discard_output:
@@ -362,6 +377,12 @@ class Generation:
                 if event.usage is not None or len(finished[rid]) >= plan.n:
                     self._pending.discard(rid)
 
+    def _on_delta(self, rid: str) -> None:
+        now = self._last_delta_at[rid] = time.perf_counter()
+        before = self._taken_over.pop(rid, None)
+        if before is not None:
+            metrics.record_failover(model=self.plan.model, gap_s=now - before)
+
     def _on_tokens(self, count: int) -> None:
         if not count:
             return
@@ -374,9 +395,10 @@ class Generation:
         self._produced += count
 
     async def _check_alive(self) -> None:
-        """Fail instead of hanging when the replica holding a request died. A request no replica
-        has started yet keeps waiting while any replica lives: a dead replica's queue is reclaimed
-        by a live one."""
+        """Fail instead of hanging when no replica will answer. A request no replica has started yet
+        keeps waiting while any replica lives: a dead replica's queue is reclaimed by a live one. A
+        started request whose replica is gone waits up to FAILOVER_WAIT_S for another (or the same,
+        restarted) to take it over and continue its stream; with failovers off it fails at once."""
         model = self.plan.model
         try:
             live = await live_replica_set_async(model)
@@ -391,15 +413,23 @@ class Generation:
                 ) from exc
             return
         self._redis_lost_at = None
+        now = time.monotonic()
         for rid in self._pending:
             replica = self._replicas.get(rid)
-            if replica is not None:
-                if replica not in live:
-                    raise ServiceUnavailableError(
-                        "The engine replica serving this request stopped.", code="engine_unavailable"
-                    )
-            elif not live:
-                raise engine_unavailable(model)
+            if replica is None:
+                if not live:
+                    raise engine_unavailable(model)
+            elif replica in live:
+                self._orphaned_at.pop(rid, None)
+            elif (
+                not settings.MAX_FAILOVERS
+                or now - self._orphaned_at.setdefault(rid, now) > settings.FAILOVER_WAIT_S
+            ):
+                raise ServiceUnavailableError(
+                    "The engine replica serving this request stopped"
+                    + (", and no other replica took it over." if settings.MAX_FAILOVERS else "."),
+                    code="engine_unavailable",
+                )
 
     async def _finish(self) -> None:
         plan = self.plan

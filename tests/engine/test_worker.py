@@ -22,11 +22,14 @@ import redis
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.protocol import (
     CONSUMER_GROUP,
+    DeltaOutput,
     Event,
     GenerateRequest,
     ReplicaStats,
+    Usage,
     cancel_message,
     cancel_stream,
+    entry_gap,
     output_stream,
     replica_stats_key,
     replicas_key,
@@ -396,10 +399,14 @@ def test_two_replicas_share_one_model_stream(workers):
     wait_for(lambda: pending(c, prefix) == 0, 5, "every request to be acked")
 
 
-def test_a_killed_replicas_requests_are_reclaimed_queued_ones_run_and_streaming_ones_fail(workers):
+def test_a_killed_replicas_requests_are_taken_over_queued_ones_run_and_streaming_ones_continue(
+    workers, direct_engine
+):
     c, prefix = workers.client, workers.prefix
+    # A claim timeout far beyond the test: only the lapsed heartbeat lets the rescuer take over.
+    slow_claims = ("--claim-timeout-ms", "600000")
     # One sequence runs at a time and two are taken: the second waits, held but never started.
-    workers.start("doomed", "--max-num-seqs", "1", "--max-held", "2")
+    workers.start("doomed", "--max-num-seqs", "1", "--max-held", "2", *slow_claims)
     workers.wait_ready("doomed")
     submit(c, prefix, "streaming", max_tokens=480, ignore_eos=True)
     wait_events(c, prefix, "streaming", until=has_delta)
@@ -412,22 +419,22 @@ def test_a_killed_replicas_requests_are_reclaimed_queued_ones_run_and_streaming_
     workers.procs["doomed"].wait(timeout=30)
     streamed_before = events_of(c, prefix, "streaming")
     submit(c, prefix, "queued-after", max_tokens=6, ignore_eos=True)
-    workers.start("rescuer", "--max-num-seqs", "2")
+    workers.start("rescuer", "--max-num-seqs", "2", *slow_claims)
 
     streaming = wait_events(c, prefix, "streaming")
     waiting = wait_events(c, prefix, "held-waiting")
     queued = wait_events(c, prefix, "queued-after")
 
-    # The reader of the interrupted stream gets an error with what it was sent, not a second answer.
+    # The interrupted stream goes on where it was: a failover marker, then the rest of the answer.
+    after = streaming[len(streamed_before) :]
     assert streaming[: len(streamed_before)] == streamed_before
-    assert [(e.type, e.code, e.replica) for e in streaming[len(streamed_before) :]] == [
-        ("error", "engine_failed", "rescuer")
-    ]
-    assert streaming[-1].usage == {
-        "prompt_tokens": len(PROMPT),
-        "completion_tokens": num_streamed_tokens(streamed_before),
-        "cached_tokens": 0,
-    }
+    assert (after[0].type, after[0].replica) == ("failover", "rescuer")
+    assert [e.type for e in after[1:]] == ["delta"] * (len(after) - 2) + ["finished"]
+    text, tokens = streamed(streaming)
+    assert (text, tokens) == run_directly(direct_engine, "streaming-direct", PROMPT, temperature=0.0,
+                                          max_tokens=480, ignore_eos=True)[0]  # fmt: skip
+    assert streaming[-1].usage["prompt_tokens"] == len(PROMPT)
+    assert streaming[-1].usage["completion_tokens"] == 480
     assert (waiting[-1].type, waiting[-1].replica, num_streamed_tokens(waiting)) == (
         "finished",
         "rescuer",
@@ -435,6 +442,9 @@ def test_a_killed_replicas_requests_are_reclaimed_queued_ones_run_and_streaming_
     )
     assert (queued[-1].type, queued[-1].replica, num_streamed_tokens(queued)) == ("finished", "rescuer", 6)
     wait_for(lambda: pending(c, prefix) == 0, 5, "every request to be acked")
+    stats = stats_of(c, prefix, "rescuer")
+    assert stats is not None and stats.num_resumed_requests == 1
+    assert stats.num_resumed_tokens == num_streamed_tokens(streamed_before)
 
 
 def test_sigterm_drains_the_running_request_takes_nothing_new_and_exits_zero(workers):
@@ -515,7 +525,9 @@ def test_sigterm_hands_back_unstarted_requests_at_once_and_finishes_the_running_
     assert c.zscore(replicas_key(prefix, MODEL), "leaving") is None
 
 
-def test_a_drain_past_its_grace_period_fails_the_streaming_request_with_its_usage_and_exits_zero(workers):
+def test_a_drain_past_its_grace_period_hands_the_streaming_request_to_the_next_replica(
+    workers, direct_engine
+):
     c, prefix = workers.client, workers.prefix
     # A grace period of zero: the drain ends at the first look, whatever runs.
     proc = workers.start("hasty", "--max-num-seqs", "1", "--max-held", "2", "--drain-grace-s", "0")
@@ -530,20 +542,45 @@ def test_a_drain_past_its_grace_period_fails_the_streaming_request_with_its_usag
 
     assert returncode == 0, workers.log("hasty")
     cut = events_of(c, prefix, "cut-short")
+    assert [e.type for e in cut] == ["delta"] * len(cut) and num_streamed_tokens(cut) < 480
+    # Both are back in the stream, undelivered: the next replica's read takes them.
+    assert events_of(c, prefix, "queued-behind") == []
+    assert pending(c, prefix) == 0
+    assert c.xlen(requests_stream(prefix, MODEL)) == 2
+
+    workers.start("next", "--max-num-seqs", "2")
+    continued = wait_events(c, prefix, "cut-short")
+    behind = wait_events(c, prefix, "queued-behind")
+
+    assert (continued[len(cut)].type, continued[len(cut)].replica) == ("failover", "next")
+    assert (
+        streamed(continued)
+        == run_directly(
+            direct_engine, "cut-short-direct", PROMPT, temperature=0.0, max_tokens=480, ignore_eos=True
+        )[0]
+    )
+    assert continued[-1].type == "finished" and continued[-1].usage["completion_tokens"] == 480
+    assert [e.type for e in behind] == ["delta"] * (len(behind) - 1) + ["finished"]
+    assert num_streamed_tokens(behind) == 5
+
+
+def test_with_failovers_off_a_drain_past_its_grace_fails_the_streaming_request_with_its_usage(workers):
+    c, prefix = workers.client, workers.prefix
+    proc = workers.start("hasty", "--max-num-seqs", "1", "--drain-grace-s", "0", "--max-failovers", "0")
+    workers.wait_ready("hasty")
+    submit(c, prefix, "cut-short", max_tokens=480, ignore_eos=True)
+    wait_events(c, prefix, "cut-short", until=has_delta)
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, workers.log("hasty")
+
+    cut = events_of(c, prefix, "cut-short")
     assert (cut[-1].type, cut[-1].code, cut[-1].replica) == ("error", "engine_shutdown", "hasty")
     assert cut[-1].usage == {
         "prompt_tokens": len(PROMPT),
         "completion_tokens": num_streamed_tokens(cut[:-1]),
         "cached_tokens": 0,
     }
-    assert num_streamed_tokens(cut[:-1]) < 480
-    # The request that had not started is back in the stream, undelivered: the next replica's read takes it.
-    assert events_of(c, prefix, "queued-behind") == []
-    assert pending(c, prefix) == 0
-    reply = c.xreadgroup(CONSUMER_GROUP, "next", {requests_stream(prefix, MODEL): ">"}, count=10)
-    assert [GenerateRequest.decode(fields).request_id for _, entries in reply for _, fields in entries] == [
-        "queued-behind"
-    ]
 
 
 def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer_pending(client):
@@ -570,7 +607,8 @@ def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer
         # Only what the replica still owned went back; the reclaimed entry stays with its new holder.
         assert handed == {first}
         [(new_id, new_fields)] = staying.read_new(10, None)
-        assert new_fields == fields and new_id > third
+        # Marked as handed back: its taker looks at its output stream first (it may have streamed).
+        assert new_fields == {**fields, b"handed": b"1"} and new_id > third
         rows = client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
         assert [(row["message_id"], row["consumer"]) for row in rows] == [
             (second, b"leaving"),
@@ -649,8 +687,8 @@ def inproc(client: redis.Redis) -> Iterator[Callable]:
     drop_keys(client, prefix)
 
 
-def test_an_engine_failure_fails_streamed_requests_and_hands_back_unstarted_ones(
-    client, inproc, fresh_engine
+def test_an_engine_failure_releases_its_requests_and_another_replica_continues_the_streamed_one(
+    client, inproc, fresh_engine, direct_engine
 ):
     from engine.worker import EXIT_ENGINE_FAILED
 
@@ -672,15 +710,117 @@ def test_an_engine_failure_fails_streamed_requests_and_hands_back_unstarted_ones
     returncode = worker.run()
 
     assert returncode == EXIT_ENGINE_FAILED
-    streaming = events_of(client, prefix, "was-streaming")
-    assert [e.type for e in streaming] == ["delta"] * 4 + ["error"]
-    assert streaming[-1].code == "engine_error"
-    assert streaming[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "cached_tokens": 0}
+    assert [e.type for e in events_of(client, prefix, "was-streaming")] == ["delta"] * 4
     assert events_of(client, prefix, "never-started") == []
-    # Handed back: any replica's next reclaim takes it at once, whatever its claim timeout.
-    _, claimed, _ = client.xautoclaim(requests_stream(prefix, MODEL), CONSUMER_GROUP, "other", 60_000, "0-0")
-    assert [GenerateRequest.decode(fields).request_id for _, fields in claimed] == ["never-started"]
     assert stats_of(client, prefix, "fragile") is None
+    # Released: any replica's next reclaim takes them at once, whatever its claim timeout, and
+    # counts the delivery (a request that breaks every replica ends after max_deliveries).
+    thread = inproc.in_thread(inproc(fresh_engine(), replica_id="steady", claim_timeout_ms=60_000))
+    streaming = wait_events(client, prefix, "was-streaming", timeout=60)
+    unstarted = wait_events(client, prefix, "never-started", timeout=60)
+
+    assert [(e.type, e.replica) for e in streaming[4:6]] == [("failover", "steady"), ("delta", None)]
+    assert (
+        streamed(streaming)
+        == run_directly(
+            direct_engine, "was-streaming-direct", PROMPT, temperature=0.0, max_tokens=100, ignore_eos=True
+        )[0]
+    )
+    assert streaming[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 100, "cached_tokens": 0}
+    assert unstarted[-1].type == "finished" and unstarted[-1].replica == "steady"
+    assert thread.is_alive()
+
+
+def test_a_request_lost_more_often_than_max_failovers_ends_with_engine_failed(client, inproc, fresh_engine):
+    prefix = inproc.prefix
+    stream = requests_stream(prefix, MODEL)
+    client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    submit(client, prefix, "unlucky", max_tokens=50, ignore_eos=True)
+    client.xreadgroup(CONSUMER_GROUP, "gone", {stream: ">"})  # its holder then died mid-stream
+    out = output_stream(prefix, "unlucky")
+    client.xadd(out, Event.delta([DeltaOutput(0, "a", [400, 401])]).encode(), id="1-0")
+    client.xadd(out, Event.failover("gone-before").encode(), id="2-0")
+    client.xadd(out, Event.delta([DeltaOutput(0, "b", [402])]).encode(), id="2-1")
+    inproc.in_thread(inproc(fresh_engine(), replica_id="third", max_failovers=1))
+
+    events = wait_events(client, prefix, "unlucky", timeout=30)
+
+    assert [(e.type, e.code) for e in events[3:]] == [("failover", None), ("error", "engine_failed")]
+    assert "lost 2 times" in events[-1].message
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 3, "cached_tokens": 0}
+
+
+def test_a_takeover_fences_out_what_the_lost_replica_still_writes(client):
+    from engine.worker import RequestQueue
+
+    prefix = new_prefix()
+
+    def queue(replica_id: str) -> RequestQueue:
+        return RequestQueue(
+            client, prefix=prefix, model=MODEL, replica_id=replica_id, output_ttl_s=60, heartbeat_ttl_s=2.0
+        )
+
+    stalled, taker = queue("stalled"), queue("taker")
+    try:
+        stalled.publish([("fenced", Event.delta([DeltaOutput(0, "x", [400])]))], [])
+
+        seen, marked = taker.take_over("fenced")
+        # The stalled replica wakes up and writes its next step, then its end: both refused.
+        stalled.publish([("fenced", Event.delta([DeltaOutput(0, "y", [401])]))], [])
+        stalled.publish([("fenced", Event.finished([], Usage(len(PROMPT), 2)))], [])
+        taker.publish([("fenced", Event.delta([DeltaOutput(0, "z", [402])]))], [])
+
+        events = events_of(client, prefix, "fenced")
+        ids = [mid for mid, _ in client.xrange(output_stream(prefix, "fenced"))]
+        assert marked and [e.type for e in seen] == ["delta", "failover"]
+        assert [(e.type, e.replica) for e in events] == [
+            ("delta", None),
+            ("failover", "taker"),
+            ("delta", None),
+        ]
+        assert streamed(events) == ("xz", [400, 402])
+        assert not any(entry_gap(a, b) for a, b in zip(ids, ids[1:], strict=False))
+        # A stream that ended, or that never began, gets no marker.
+        assert taker.take_over("never-began") == ([], False)
+        taker.publish([("fenced", Event.finished([], Usage(len(PROMPT), 2)))], [])
+        assert taker.take_over("fenced")[1] is False
+    finally:
+        drop_keys(client, prefix)
+
+
+def test_a_replica_whose_heartbeat_lapsed_has_its_requests_claimed_at_once(client):
+    from engine.worker import RequestQueue
+    from engine.worker.queue import ORPHAN_MIN_IDLE_MS
+
+    prefix = new_prefix()
+    stream = requests_stream(prefix, MODEL)
+
+    def queue(replica_id: str) -> RequestQueue:
+        return RequestQueue(
+            client, prefix=prefix, model=MODEL, replica_id=replica_id, output_ttl_s=60, heartbeat_ttl_s=2.0
+        )
+
+    alive, lapsed, claimer = queue("alive"), queue("lapsed"), queue("claimer")
+    try:
+        alive.ensure_group()
+        for request_id in ("of-alive", "of-lapsed"):
+            submit(client, prefix, request_id)
+        alive.read_new(1, None)
+        lapsed.read_new(1, None)
+        now = time.time()
+        client.zadd(replicas_key(prefix, MODEL), {"alive": now, "lapsed": now - 10})
+        assert claimer.claim_orphans(10) == []  # idle for less than ORPHAN_MIN_IDLE_MS yet
+
+        wait_for(lambda: client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 1, consumername="lapsed")[0]
+                 ["time_since_delivered"] > ORPHAN_MIN_IDLE_MS, 10, "the lapsed replica's entry to idle")  # fmt: skip
+        claimed = claimer.claim_orphans(10)
+
+        assert [GenerateRequest.decode(f).request_id for _, f, _ in claimed] == ["of-lapsed"]
+        assert [d for _, _, d in claimed] == [2]
+        rows = client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
+        assert sorted(row["consumer"] for row in rows) == [b"alive", b"claimer"]
+    finally:
+        drop_keys(client, prefix)
 
 
 def test_a_restarted_replica_resumes_what_its_previous_process_held(client, inproc, fresh_engine):

@@ -58,6 +58,8 @@ def serve_argv(
         argv.append(f"--heartbeat-interval={min(1.0, heartbeat_ttl / 3)}")
     if "claim_timeout_ms" not in engine_settings:  # the deployment's own wins over the platform's
         argv.append(f"{ENGINE_SETTING_FLAGS['claim_timeout_ms']}={settings.REQUEST_CLAIM_TIMEOUT_MS}")
+    if "max_failovers" not in engine_settings:
+        argv.append(f"{ENGINE_SETTING_FLAGS['max_failovers']}={settings.MAX_FAILOVERS}")
     for key, value in {**ENGINE_SETTING_DEFAULTS, **engine_settings}.items():
         if key in ENGINE_SETTING_SWITCHES:
             if value:
