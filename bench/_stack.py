@@ -108,20 +108,20 @@ class BenchStack:
             return "\n".join(self.log_path(name).read_text(errors="replace").splitlines()[-lines:])
         return ""
 
-    def start(self, *, threads: int, timeout_s: float = 300.0) -> None:
+    def start(
+        self, *, threads: int, timeout_s: float = 300.0, replicas: tuple[str, ...] = ("bench",)
+    ) -> None:
+        """Start daphne and one engine replica per id in `replicas` (the first one's process is
+        named "engine", the others "engine-<id>"), and wait for /ready."""
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+        engine = [sys.executable, "manage.py", "run_engine", "--model", self.model, "--replica-id"]
         argv = {
-            "engine": [
-                sys.executable,
-                "manage.py",
-                "run_engine",
-                "--model",
-                self.model,
-                "--replica-id",
-                "bench",
-            ],
+            **{
+                "engine" if i == 0 else f"engine-{replica}": [*engine, replica]
+                for i, replica in enumerate(replicas)
+            },
             "daphne": [
                 sys.executable,
                 "-m",
@@ -147,7 +147,9 @@ class BenchStack:
                 raise RuntimeError(f"the stack was not ready after {timeout_s}s:\n{self.log_tail('engine')}")
             time.sleep(0.25)
 
-    def ready(self) -> bool:
+    def ready(self, replicas: int = 0) -> bool:
+        """This model's entry in /ready says ready (with at least `replicas` live replicas; 0: all
+        that this stack started)."""
         # /ready is 503 while any enabled model lacks a replica; only this model's entry matters here.
         request = urllib.request.Request(
             self.base_url + "/ready",
@@ -163,7 +165,9 @@ class BenchStack:
                 return False
         except (urllib.error.URLError, OSError, ValueError):
             return False
-        return bool(body.get("models", {}).get(self.model, {}).get("ready"))
+        entry = body.get("models", {}).get(self.model, {})
+        wanted = replicas or sum(name.startswith("engine") for name in self.processes)
+        return bool(entry.get("ready")) and len(entry.get("replicas", [])) >= wanted
 
     def stop(self, grace_s: float = 20.0) -> None:
         for process in self.processes.values():

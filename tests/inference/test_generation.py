@@ -11,13 +11,16 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
+from core.errors import PlatformError
 from core.redis_client import get_async_redis
 from core.request_ids import new_request_id
-from engine.protocol import cancel_request_id, cancel_stream
-from inference.services import ChoiceDelta, Generation, generation_start
+from engine.protocol import DeltaOutput, Event, FinishedOutput, Usage, cancel_request_id, cancel_stream
+from inference import metrics
+from inference.services import ChoiceDelta, ChoiceFinished, Generation, generation_start
 from tenants.models import UsageRecord
 from tenants.services import api_key_authenticate
 from tests.inference.conftest import engine_idle, queued_requests, running_engine_worker
+from tests.inference.fault_injection import ProtocolFaultInjector
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -101,6 +104,88 @@ async def test_the_stream_fails_instead_of_hanging_when_every_replica_is_gone(wo
     assert json.loads(events[-2])["error"]["code"] == "engine_unavailable"
     row = await UsageRecord.objects.aget(request_id=response["x-request-id"])
     assert (row.status, row.completion_tokens) == ("error", 0)
+
+
+def _delta(token: int, text: str, replica: str | None = None) -> Event:
+    event = Event.delta([DeltaOutput(index=0, text=text, token_ids=[token])])
+    event.replica = replica
+    return event
+
+
+async def _wait_orphaned(generation: Generation) -> None:
+    """Until the generation has found its replica gone (and, with failover, waits for another)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while not generation._orphaned_at:
+        assert asyncio.get_running_loop().time() < deadline, "the generation never saw its replica gone"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_stream_whose_replica_vanished_goes_on_when_another_takes_it_over(world):
+    lost, taker = world.faults, ProtocolFaultInjector(world.model, replica_id="fault-injector-2")
+    await lost.heartbeat()
+    generation, events = await _start(world, max_tokens=2, stream=True)
+    request = await lost.next_request()
+    await lost.emit(request.request_id, _delta(5, "a", replica=lost.replica_id))
+    first = await anext(events)
+    gaps_before = metrics.STREAM_FAILOVER_GAP.labels(world.model)._sum.get()
+
+    await taker.heartbeat()
+    await lost.vanish()
+    reading = asyncio.ensure_future(anext(events))
+    await _wait_orphaned(generation)  # without failover, the stream would fail here
+    await taker.emit(request.request_id, Event.failover(taker.replica_id))
+    await taker.emit(request.request_id, _delta(6, "b"))
+    await taker.emit(
+        request.request_id,
+        Event.finished([FinishedOutput(0, "length")], Usage(len(request.prompt_token_ids), 2)),
+    )
+    rest = [await reading] + [item async for item in events]
+
+    assert (first.text, [(r.text, r.token_ids) for r in rest[:1]]) == ("a", [("b", [6])])
+    assert isinstance(rest[1], ChoiceFinished) and rest[1].finish_reason == "length"
+    assert generation.failovers == 1 and not generation._orphaned_at
+    assert metrics.STREAM_FAILOVER_GAP.labels(world.model)._sum.get() > gaps_before
+    row = await UsageRecord.objects.aget(request_id=generation.plan.request_id)
+    assert (row.status, row.completion_tokens) == ("success", 2)
+
+
+async def test_a_stream_whose_replica_vanished_fails_when_none_takes_it_over_in_time(world, settings):
+    settings.FAILOVER_WAIT_S = 1.0
+    lost, other = world.faults, ProtocolFaultInjector(world.model, replica_id="fault-injector-2")
+    await lost.heartbeat()
+    await other.heartbeat()  # live, but it never takes the request over
+    generation, events = await _start(world, max_tokens=5, stream=True)
+    request = await lost.next_request()
+    await lost.emit(request.request_id, _delta(5, "a", replica=lost.replica_id))
+    await anext(events)
+
+    await lost.vanish()
+    with pytest.raises(PlatformError) as caught:
+        await anext(events)
+
+    assert caught.value.code == "engine_unavailable"
+    assert "no other replica took it over" in str(caught.value)
+    row = await UsageRecord.objects.aget(request_id=generation.plan.request_id)
+    assert (row.status, row.completion_tokens) == ("error", 1)
+    assert await _cancels(world) == [request.request_id]
+
+
+async def test_with_failovers_off_a_stream_whose_replica_vanished_fails_at_once(world, settings):
+    settings.MAX_FAILOVERS = 0
+    settings.FAILOVER_WAIT_S = 600.0
+    lost = world.faults
+    await lost.heartbeat()
+    generation, events = await _start(world, max_tokens=5, stream=True)
+    request = await lost.next_request()
+    await lost.emit(request.request_id, _delta(5, "a", replica=lost.replica_id))
+    await anext(events)
+
+    await lost.vanish()
+    with pytest.raises(PlatformError) as caught:
+        await asyncio.wait_for(anext(events), timeout=30)
+
+    assert caught.value.code == "engine_unavailable"
+    assert str(caught.value) == "The engine replica serving this request stopped."
 
 
 @pytest.mark.world(tenant_a={"requests_per_minute": 1})
