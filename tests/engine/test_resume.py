@@ -185,3 +185,25 @@ def test_resumed_tokens_out_of_the_vocabulary_are_refused(engine) -> None:
     with pytest.raises(InvalidRequestError, match="resumed output token ids"):
         engine.add_request("bad-resume", PROMPT, SamplingParams(max_tokens=4), resume=resumed([10**6]))
     assert not engine.has_unfinished_requests()
+
+
+def test_min_tokens_counts_the_streamed_tokens(engine) -> None:
+    free = Run(engine, "free-min", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)).tokens()
+    position = next(i for i in range(4, 12) if free[i] not in free[:i])
+    stop = free[position]
+    # Allowed to stop from the token at `position` on, where it samples `stop`.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop], min_tokens=position
+    )
+    undisturbed = Run(engine, "min", params)
+    assert undisturbed.tokens() == free[: position + 1]
+
+    continued = Run(engine, "min-continued", params, resume=resumed(free[: position - 1]))
+
+    # All but one of min_tokens were streamed already: the next token meets it, the stop token
+    # after it ends the output where it did.
+    assert continued.tokens() == free[position - 1 : position + 1]
+    assert (continued.final.outputs[0].finish_reason, continued.final.outputs[0].stop_reason) == (
+        "stop",
+        stop,
+    )
