@@ -151,3 +151,25 @@ def test_the_host_cache_drops_idle_adapters_but_keeps_those_requests_wait_for(ti
     engine.add_request("next", prompt, GREEDY, tenant="acme", lora=ref(adapter_dirs, "r16"))
     assert engine.get_stats()["num_loras_cached"] == 1
     run_to_completion(engine)
+
+
+def test_a_lora_request_continued_after_a_failover_keeps_its_adapter(tiny_llama_dir, adapter_dirs):
+    from engine.resume import Resume
+
+    engine = lora_engine(tiny_llama_dir)
+    [prompt] = prompts([24], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    adapter = ref(adapter_dirs, "r8")
+    engine.add_request("whole", prompt, params, tenant="acme", lora=adapter)
+    engine.add_request("base", prompt, params, tenant="acme")
+    finals = run_to_completion(engine)
+    whole = finals["whole"].outputs[0].token_ids
+    assert whole != finals["base"].outputs[0].token_ids  # the adapter changes the output
+
+    # A fresh replica takes it over: the adapter is loaded there as for any request.
+    taker = lora_engine(tiny_llama_dir)
+    taker.add_request("whole", prompt, params, tenant="acme", lora=adapter, resume=Resume(((*whole[:6],),)))
+    continued = run_to_completion(taker)["whole"].outputs[0]
+
+    assert continued.token_ids == whole
+    assert taker.lora_manager is not None and taker.lora_manager.loaded_names() != []

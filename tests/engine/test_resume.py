@@ -153,14 +153,17 @@ def test_a_seeded_continuation_uses_a_derived_seed_and_repeats_itself(engine) ->
     assert again[0] == again[1] and len(again[0]) == 10
 
 
-def test_prompt_logprobs_already_sent_are_not_sent_again(engine) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+def test_prompt_logprobs_already_sent_are_not_sent_again_and_token_logprobs_go_on(engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1, logprobs=2)
     resume = Resume(outputs=((400, 401),), prompt_logprobs_sent=True)
 
     run = Run(engine, "prompt-logprobs", params, resume=resume)
 
     assert [o.prompt_logprobs for o in run.outputs] == [None] * len(run.outputs)
     assert run.final.outputs[0].token_ids[:2] == [400, 401] and len(run.final.outputs[0].token_ids) == 6
+    # Token logprobs go on from the next token: one per new token, none for the streamed ones.
+    logprobs = [lp for o in run.outputs for c in o.outputs for lp in c.logprobs_delta or ()]
+    assert [lp.token_id for lp in logprobs] == run.tokens() == run.final.outputs[0].token_ids[2:]
 
 
 def test_a_resume_is_read_from_an_output_stream() -> None:
