@@ -1,22 +1,27 @@
-"""How the worker takes a request entry into its engine: the request id of an entry too malformed
-to decode, what a taken-over request's output stream says about it (engine.resume), and the
-engine's refusals as error events."""
+"""How the worker takes request entries into its engine (Intake): reading, reclaiming and taking
+over entries, the request id of an entry too malformed to decode, what a taken-over request's
+output stream says about it (engine.resume), and the engine's refusals as error events."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from engine.lora.errors import LoRADisabledError, LoRALoadError
-from engine.protocol import ErrorCode, Event, GenerateRequest, Usage
+from engine.protocol import ErrorCode, Event, GenerateRequest, ProtocolError, Usage
 from engine.resume import Resume
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.worker.outputs import HeldRequest
 from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+    from engine.worker.loop import EngineWorker
+
+logger = logging.getLogger("engine.worker")
 
 
 def request_id_of(fields: dict) -> str | None:
@@ -108,3 +113,106 @@ def add_to_engine(engine: LLMEngine, request: GenerateRequest, resume: Resume | 
     except EngineError as exc:
         return Event.error(str(exc), ErrorCode.ENGINE_ERROR)
     return None
+
+
+class Intake:
+    """How a replica takes requests: new ones from its model's stream, entries of replicas that
+    stopped touching them (the claim timeout) or whose heartbeat lapsed (at once), each checked
+    against its output stream when another replica may have streamed it (take_over), then added
+    to the engine. It keeps the worker's books (held requests, events and acks to send)."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+
+    def read_new(self, *, block: bool) -> None:
+        w = self.worker
+        room = w.max_held - len(w.held)
+        if room <= 0:
+            return
+        entries = w.queue.read_new(room, w.settings.idle_block_ms if block else None)
+        for message_id, fields in entries:
+            self.take(message_id, fields)
+
+    def reclaim(self) -> None:
+        w = self.worker
+        room = w.max_held - len(w.held)
+        if room <= 0:
+            return
+        for message_id, fields, deliveries in w.queue.autoclaim(w.settings.claim_timeout_ms, room):
+            logger.info("reclaimed request entry %s (delivery %d)", message_id, deliveries)
+            self.take(message_id, fields, reclaimed=True, deliveries=deliveries)
+
+    def claim_orphans(self) -> None:
+        w = self.worker
+        room = w.max_held - len(w.held)
+        if room <= 0:
+            return
+        for message_id, fields, deliveries in w.queue.claim_orphans(room):
+            logger.info(
+                "took over request entry %s from a lost replica (delivery %d)", message_id, deliveries
+            )
+            self.take(message_id, fields, reclaimed=True, deliveries=deliveries)
+
+    def take(self, message_id: bytes, fields: dict, *, reclaimed: bool = False, deliveries: int = 1) -> None:
+        w = self.worker
+        try:
+            request = GenerateRequest.decode(fields)
+        except ProtocolError as exc:
+            request_id = request_id_of(fields)
+            logger.warning("malformed request entry %s (request %r): %s", message_id, request_id, exc)
+            if request_id:
+                w.events.append((request_id, Event.error(str(exc), ErrorCode.INVALID_REQUEST)))
+            w.acks.append(message_id)
+            return
+        held = w.held.get(request.request_id)
+        if held is not None:
+            # A second delivery of a request already running here (its entry was re-added), or the
+            # same entry read again after a read whose answer was lost with the connection.
+            if held.message_id != message_id:
+                w.acks.append(message_id)
+            return
+        resume = None
+        # An entry that another replica held (reclaimed, or handed back by a stopping one) may have
+        # streamed: its output stream says whether it is settled, or continues from where it was.
+        if reclaimed or b"handed" in fields or "handed" in fields:
+            takeover = self._take_over(request, message_id, deliveries)
+            if takeover.settled:
+                return
+            resume = takeover.resume
+        held = HeldRequest(
+            request_id=request.request_id,
+            message_id=message_id,
+            n=int(request.sampling_params.get("n", 1)) if isinstance(request.sampling_params, dict) else 1,
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
+        if resume is not None:
+            held.completion_tokens = [len(tokens) for tokens in resume.outputs]
+            held.replica_marked = True  # by the failover marker
+        if w.cancelled.pop(request.request_id, None) is not None:
+            w.end(held, held.aborted_event())
+            return
+        error = add_to_engine(w.engine, request, resume)
+        if error is not None:
+            w.end(held, error)
+            return
+        w.held[request.request_id] = held
+
+    def _take_over(self, request: GenerateRequest, message_id: bytes, deliveries: int) -> Takeover:
+        w = self.worker
+        try:
+            seen, _ = w.queue.take_over(request.request_id)
+        except ProtocolError:
+            seen = [Event(type="error")]  # unreadable output: never stream a second answer into it
+        takeover = take_over(request, seen, deliveries, w.settings)
+        if takeover.event is not None:
+            w.events.append((request.request_id, takeover.event))
+        if takeover.settled:
+            w.acks.append(message_id)
+        elif takeover.resume is not None:
+            logger.info(
+                "continuing request %s after %d tokens (failover %d)",
+                request.request_id,
+                takeover.resume.num_tokens,
+                takeover.resume.failovers,
+            )
+        return takeover

@@ -23,96 +23,24 @@ from engine.protocol import (
     requests_stream,
     usage_key,
 )
+from engine.worker.scripts import HAND_BACK_SCRIPT, TAKE_OVER_SCRIPT, TOUCH_SCRIPT
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 
 # Redis unreachable (down, restarting, a network blip): the worker waits for it, keeping its work.
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
-# Keep the idle clock at zero for entries this consumer still owns. Checking the owner and claiming
-# in one script matters: a plain XCLAIM would take back an entry another replica had already
-# reclaimed from us (after we stalled past the timeout), and both would then answer it.
 # Output streams whose TTL refresh is tracked before those untouched for a whole TTL are dropped.
 _EXPIRE_TRACKED_MAX = 4096
 # A request's usage record (its last event) outlives its output stream: a settler bills from it
 # when the web process that took the request is gone.
 USAGE_TTL_MIN_S = 3600
 
-_TOUCH_SCRIPT = """
-local owned = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    owned[#owned + 1] = ARGV[i]
-  end
-end
-return owned
-"""
 
 # Idle time given to entries handed back on a failure, so the next XAUTOCLAIM of any replica
 # takes them at once instead of after the claim timeout.
 _RELEASED_IDLE_MS = 10**12
 
-# Hand entries this consumer owns back to the stream as new entries, which the next XREADGROUP '>'
-# of any replica takes at once (a released pending entry waits for someone's XAUTOCLAIM, every few
-# seconds). In one script: the copy is added exactly when the original is acked, and only for an
-# entry still ours (one another replica reclaimed from us is its to answer). The original is
-# deleted too: acked, it would keep a second copy of the prompt until trimmed. The copy is marked
-# `handed`: whoever takes it looks at its output stream first, since it may have streamed.
-_HAND_BACK_SCRIPT = """
-local handed = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-    if entry[1] then
-      local fields = {}
-      for j = 1, #entry[1][2], 2 do
-        if entry[1][2][j] ~= 'handed' then
-          fields[#fields + 1] = entry[1][2][j]
-          fields[#fields + 1] = entry[1][2][j + 1]
-        end
-      end
-      fields[#fields + 1] = 'handed'
-      fields[#fields + 1] = '1'
-      redis.call('XADD', KEYS[1], '*', unpack(fields))
-    end
-    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    handed[#handed + 1] = ARGV[i]
-  end
-end
-return handed
-"""
-
-
-# Take a request over from a lost replica: its output stream as it stands, and, when it ends in
-# the middle of an answer (a delta, or an earlier takeover's marker), a failover marker appended in
-# the same script. The marker is the fence: its id is above every id the lost replica's run used,
-# so anything that replica still writes (it may only have stalled) is refused as too small, and
-# what came before the marker is exactly what the new holder continues from.
-_TAKE_OVER_SCRIPT = """
-local entries = redis.call('XRANGE', KEYS[1], '-', '+')
-local n = #entries
-if n == 0 then
-  return {entries, false}
-end
-local last = entries[n][2]
-local data = nil
-for i = 1, #last, 2 do
-  if last[i] == 'data' then
-    data = last[i + 1]
-  end
-end
-local ok, decoded = pcall(cjson.decode, data or '')
-if not ok or type(decoded) ~= 'table' or (decoded.type ~= 'delta' and decoded.type ~= 'failover') then
-  return {entries, false}
-end
-local id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return {entries, id}
-"""
 
 # An entry of a replica whose heartbeat lapsed is taken only when idle this long: two live replicas
 # looking at once both try, and the first claim resets the idle time the second one needs.
@@ -148,9 +76,9 @@ class RequestQueue:
         self.output_ttl_s = output_ttl_s
         self._expire_set_at: dict[str, float] = {}  # output stream -> when its TTL was last set
         self.heartbeat_ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
-        self._touch = client.register_script(_TOUCH_SCRIPT)
-        self._hand_back = client.register_script(_HAND_BACK_SCRIPT)
-        self._take_over = client.register_script(_TAKE_OVER_SCRIPT)
+        self._touch = client.register_script(TOUCH_SCRIPT)
+        self._hand_back = client.register_script(HAND_BACK_SCRIPT)
+        self._take_over = client.register_script(TAKE_OVER_SCRIPT)
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self._autoclaim_cursor: bytes | str = "0-0"
         self._cancel_cursor: bytes | str = "0-0"
@@ -361,7 +289,7 @@ class RequestQueue:
     def take_over(self, request_id: str) -> tuple[list[Event], bool]:
         """A request's output stream as it stands, for a replica taking it over; and whether it was
         in the middle of an answer, in which case a failover marker naming this replica now ends it
-        (see _TAKE_OVER_SCRIPT) and this replica's own events follow the marker."""
+        (see TAKE_OVER_SCRIPT) and this replica's own events follow the marker."""
         marker = Event.failover(self.replica_id).encode()["data"]
         entries, marker_id = self._take_over(
             keys=[output_stream(self.prefix, request_id)], args=[marker, self.output_ttl_s]
