@@ -7,9 +7,9 @@ recompute (the lowest tier, its most-served tenant, its latest arrival), and a w
 a higher tier preempts running ones of a lower tier. Under fair share, when every slot is taken,
 the least-served waiting tenant also preempts a sequence of a more-served tenant of its tier that
 holds more (weighted) slots, within a token bucket on the computed work this throws away
-(fair_preempt_tokens_per_step). Waiting sequences are admitted in the same order. A request may run
-at most max_seqs_per_request sequences. A waiting request whose queue deadline passes before any of
-it was computed is dropped.
+(fair_preempt_tokens_per_step; engine.preemption). Waiting sequences are admitted in the same order
+(engine.admission). A request may run at most max_seqs_per_request sequences. A waiting request
+whose queue deadline passes before any of it was computed is dropped.
 `policy="fcfs"` orders within a tier by arrival alone (the baseline fair share is measured against).
 """
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 
+from engine.admission import Admission, check_fits, check_num_seqs
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.errors import EngineError, RequestTooLargeError
+from engine.errors import EngineError
 from engine.fair_share import ServiceCounters
 from engine.lora.slots import LoRASlots
 from engine.preemption import Preemption
@@ -63,6 +64,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_expired = 0
         self.preemption = Preemption(self)
+        self.admission = Admission(self)
 
     # -- ordering -----------------------------------------------------------------------------
 
@@ -79,33 +81,10 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------------
 
     def check_num_seqs(self, n: int) -> None:
-        """Refuse a request of more sequences than max_seqs_per_request: it would hold too many of
-        the slots every tenant shares."""
-        limit = self.config.max_seqs_per_request
-        assert limit is not None  # resolved by SchedulerConfig
-        if n > limit:
-            raise RequestTooLargeError(
-                f"n={n}: a request may run at most {limit} sequences on this engine (max_seqs_per_request)"
-            )
+        check_num_seqs(self.config, n)
 
     def add(self, seq: Sequence) -> None:
-        cfg, bm = self.config, self.block_manager
-        self.check_num_seqs(getattr(seq.sampling_params, "n", 1))
-        if seq.num_prompt_tokens > cfg.max_model_len:
-            raise RequestTooLargeError(
-                f"the prompt has {seq.num_prompt_tokens} tokens, more than max_model_len={cfg.max_model_len}"
-            )
-        max_tokens = seq.max_tokens
-        max_len = (
-            cfg.max_model_len
-            if max_tokens is None
-            else min(seq.num_prompt_tokens + max_tokens, cfg.max_model_len)
-        )
-        if bm.num_blocks_for(max_len) > bm.num_total_blocks:
-            raise RequestTooLargeError(
-                f"prompt plus max_tokens ({max_len} tokens) needs {bm.num_blocks_for(max_len)} KV cache "
-                f"blocks but the engine has {bm.num_total_blocks} of {bm.block_size} tokens"
-            )
+        check_fits(self.config, self.block_manager, seq)
         siblings = self._requests.setdefault(seq.request_id, [])
         if any(s.index == seq.index for s in siblings):
             raise EngineError(f"request {seq.request_id!r} already has a sequence with index {seq.index}")
@@ -168,7 +147,7 @@ class Scheduler:
             return budget
         return 0
 
-    def _grant(self, scheduled: list[ScheduledSequence], seq: Sequence, num_new: int) -> None:
+    def grant(self, scheduled: list[ScheduledSequence], seq: Sequence, num_new: int) -> None:
         item = ScheduledSequence(seq, num_new)
         scheduled.append(item)
         # Prompt tokens are service when computed (a cache hit or a recompute of outputs is not);
@@ -218,7 +197,7 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, num_new)
-                self._grant(scheduled, seq, num_new)
+                self.grant(scheduled, seq, num_new)
                 budget -= num_new
                 if uncomputed > 1:
                     prefill_budget -= num_new
@@ -227,45 +206,8 @@ class Scheduler:
         # Admitting while preempting for room would only evict what was just admitted on the next
         # step; a preemption for a higher tier or for fair share made room for exactly what is
         # admitted now.
-        lora_slots = self.lora_slots
-        loras_in_use = {s.lora_id for s in self.running if s.lora_id} if lora_slots is not None else set()
-        while (
-            (made_room or len(preempted) == 0)
-            and min(budget, prefill_budget) > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            seq = self.waiting.peek()
-            if seq is None:
-                break
-            # A head whose adapter finds no slot waits for one to drain and is not overtaken by
-            # other adapters' requests, so an adapter that is not loaded is never starved. Base-model
-            # requests behind it take no slot, so they run meanwhile.
-            if lora_slots is not None and not lora_slots.can_admit(seq.lora_id, loras_in_use):
-                seq = next((s for s in self.waiting if s.lora_id == 0), None)
-                if seq is None:
-                    break
-            # Prompt logprobs come out of the prompt's own forward passes: nothing is reused.
-            computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
-            num_hit = len(computed) * self.block_size
-            num_new = self.num_new_tokens(seq.num_tokens - num_hit, min(budget, prefill_budget))
-            # Strict order: a big request at the head is never overtaken, so it cannot starve.
-            if num_new == 0 or not bm.can_allocate(seq, num_new, computed):
-                break
-            if seq is self.waiting.peek():
-                self.waiting.pop()
-            else:
-                self.waiting.remove(seq)
-            bm.allocate(seq, num_new, computed)
-            if lora_slots is not None and seq.lora_id:
-                lora_slots.acquire(seq.lora_id, loras_in_use)
-                loras_in_use.add(seq.lora_id)
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_hit
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._grant(scheduled, seq, num_new)
-            budget -= num_new
-            prefill_budget -= num_new
+        if made_room or not preempted:
+            budget, prefill_budget = self.admission.admit(scheduled, budget, prefill_budget)
 
         return SchedulerOutput(
             scheduled=scheduled,
