@@ -19,8 +19,9 @@ from engine.grammar_waits import GrammarWaits
 from engine.lora.errors import LoRADisabledError
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.protocol import ErrorCode, FinishReason, LoRARef
+from engine.protocol import FinishReason, LoRARef
 from engine.request_state import (
     STATUS_OF_FINISH,
     Completion,
@@ -31,10 +32,9 @@ from engine.request_state import (
 from engine.resume import Resume, replay
 from engine.sampling_params import SamplingParams
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
-from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_profile import StepProfile
-from engine.stop_checker import OutputStream, StreamStep
+from engine.stop_checker import OutputStream
 from engine.structured_output.compiler import CompileJob
 from engine.structured_output.manager import GrammarRequests, WaitingGrammar
 
@@ -75,6 +75,7 @@ class LLMEngine:
         self._requests: dict[str, EngineRequest] = {}
         self._completions: dict[int, Completion] = {}  # seq_id -> completion
         self.grammar_waits = GrammarWaits(self)
+        self.output_processor = OutputProcessor(self)
         self._ended_at_add: dict[str, None] = {}  # resumed requests that had ended on the lost replica
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -264,80 +265,23 @@ class LLMEngine:
             try:
                 result = self.runner.run(sched_out, profile)
             except Exception as exc:  # a failed forward ends the requests in it, not the engine
-                return self._outputs(touched) + self._fail(sched_out, exc)
+                return self.output_processor.outputs(touched) + self.output_processor.fail(sched_out, exc)
             for seq_id, entries in result.prompt_logprobs.items():
                 self._completions[seq_id].seq.prompt_logprobs.extend(entries)
             for seq in self.scheduler.update_from_output(sched_out, result.sampled_token_ids):
-                self._append(seq, result.logprobs.get(seq.seq_id))
+                self.output_processor.append(seq, result.logprobs.get(seq.seq_id))
                 touched[seq.request_id] = None
             if profile is not None:
                 profile.mark("detokenize")
                 profile.num_steps += 1
                 profile.num_tokens += sched_out.num_batched_tokens
-        outputs = self._outputs(touched)
+        outputs = self.output_processor.outputs(touched)
         if profile is not None:
             profile.mark("output")
         return outputs
 
-    def _append(self, seq: Sequence, logprobs) -> None:
-        c = self._completions[seq.seq_id]
-        token = seq.output_token_ids[-1]
-        self.num_generated_tokens += 1
-        accepted, terminated = self.grammars.accept(seq.seq_id, token)
-        if not accepted:  # the bitmask allows only what the grammar accepts: an engine bug
-            req = self._requests[seq.request_id]
-            req.error, req.error_code = "the output left its grammar", ErrorCode.ENGINE_ERROR
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
-            self.finish_completion(seq, FinishReason.ERROR, None)
-            return
-        step = c.stream.append_token(token, max_model_len_reached=seq.num_tokens >= self.max_model_len)
-        if terminated and step.finish_reason is None:
-            # The grammar is complete and allows nothing more (its end token was not a stop, as
-            # with ignore_eos): the output ends here.
-            step = StreamStep(step.text + c.stream.end(FinishReason.STOP), FinishReason.STOP, None)
-        c.text += step.text
-        c.text_delta += step.text
-        c.token_ids_delta.append(token)
-        if logprobs is not None and c.logprobs_delta is not None:
-            c.logprobs_delta.append(logprobs)
-            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + logprobs.logprob
-        if step.finish_reason is not None:
-            self.scheduler.finish(seq, STATUS_OF_FINISH[step.finish_reason], step.finish_reason)
-            self.finish_completion(seq, step.finish_reason, step.stop_reason)
-
     def finish_completion(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        c = self._completions.pop(seq.seq_id)
-        c.finish_reason, c.stop_reason = reason, stop_reason
-        self.runner.free(seq.seq_id)
-        self.grammars.release(seq.seq_id)
-        if seq.lora_id and self.lora_manager is not None:
-            self.lora_manager.release(seq.lora_id)
-
-    def _fail(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        failed: dict[str, None] = {}
-        for item in sched_out.scheduled:
-            failed[item.seq.request_id] = None
-        # The batch holds other tenants' requests: the detail (which may quote one request's input)
-        # goes to the log, each request gets the same generic message.
-        logger.error("a forward failed; ending the %d requests of its batch", len(failed), exc_info=exc)
-        for request_id in failed:
-            req = self._requests[request_id]
-            req.error = "the engine failed while running this request's batch"
-            req.error_code = ErrorCode.ENGINE_ERROR
-            for c in req.completions:
-                if c.finish_reason is None:
-                    self.scheduler.finish(c.seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
-                    self.finish_completion(c.seq, FinishReason.ERROR, None)
-        return self._outputs(failed)
-
-    def _outputs(self, request_ids: dict[str, None]) -> list[RequestOutput]:
-        outputs = []
-        for request_id in request_ids:
-            req = self._requests[request_id]
-            outputs.append(req.output())
-            if req.finished:
-                del self._requests[request_id]
-        return outputs
+        self.output_processor.finish(seq, reason, stop_reason)
 
     # -- introspection --------------------------------------------------------------------------
 
