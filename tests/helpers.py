@@ -113,3 +113,17 @@ def usage_row(
         UsageRecord.objects.filter(pk=record.pk).update(created_at=created_at)
         record.refresh_from_db()
     return record
+
+
+def acme(**overrides: Any) -> dict[str, Any]:
+    """The dashboard tests' tenant: Acme Research, with limits and two models (make_world's tenant_a)."""
+    return {
+        "name": "Acme Research",
+        "slug": "acme",
+        "requests_per_minute": 600,
+        "tokens_per_minute": 90_000,
+        "max_concurrent_requests": 8,
+        "monthly_token_quota": 1_000_000,
+        "allowed_models": ["tiny-llama", "tiny-qwen"],
+        **overrides,
+    }

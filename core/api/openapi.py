@@ -20,7 +20,7 @@ from django.http import HttpRequest, HttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension, OpenApiSerializerExtension
 from drf_spectacular.generators import EndpointEnumerator, SchemaGenerator
 from drf_spectacular.openapi import AutoSchema
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import authentication, serializers
 from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
@@ -56,6 +56,15 @@ class ErrorSerializer(serializers.Serializer):
     """Every error, in OpenAI's shape."""
 
     error = ErrorDetailSerializer()
+
+
+def list_of(component_name: str, item: type[serializers.Serializer], **fields: serializers.Field) -> Any:
+    """The OpenAPI shape of an OpenAI list object: {"object": "list", "data": [item, ...]}, with
+    `fields` beside them."""
+    return inline_serializer(
+        component_name,
+        {"object": serializers.ChoiceField(choices=["list"]), **fields, "data": item(many=True)},
+    )
 
 
 def api_errors(*statuses: int) -> dict[int, OpenApiResponse]:

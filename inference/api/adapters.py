@@ -12,7 +12,7 @@ from drf_spectacular.utils import extend_schema, extend_schema_field, extend_sch
 from rest_framework import serializers
 
 from core.api.base import ApiView, StrictSerializer, validated
-from core.api.openapi import api_errors
+from core.api.openapi import api_errors, list_of
 from core.errors import InvalidRequestError
 from inference.models import LoraAdapter
 from inference.selectors import adapter_get_for_tenant, adapter_list_for_tenant
@@ -61,15 +61,10 @@ class AdapterListCreateApi(ApiView):
         base_model = serializers.CharField(max_length=200)
         file = serializers.ListField(child=serializers.FileField(allow_empty_file=True), allow_empty=False)
 
-    @extend_schema_serializer(component_name="AdapterList")
-    class OutputSerializer(serializers.Serializer):
-        object = serializers.ChoiceField(choices=["list"])
-        data = AdapterOutputSerializer(many=True)
-
     @extend_schema(
         operation_id="listAdapters",
         summary="List the organization's LoRA adapters",
-        responses={200: OutputSerializer, **api_errors()},
+        responses={200: list_of("AdapterList", AdapterOutputSerializer), **api_errors()},
     )
     def get(self, request):
         adapters = adapter_list_for_tenant(tenant_id=self.auth.tenant_id)

@@ -10,16 +10,19 @@ from collections.abc import Callable
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 
 from core.api.base import ApiView, json_body, validated
 from core.api.exceptions import to_platform_error
+from core.api.openapi import api_errors
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError
 from inference import metrics
 from inference.api.body_json import body_json
 from inference.api.fields import refuse_unsupported
 from inference.api.formatting import ChunkStream
+from inference.api.responses import EVENT_STREAM
 from inference.api.sse import sse_response
 from inference.services import GenerationPlan, collect_choices, generation_start
 
@@ -35,15 +38,31 @@ def _read_timeout(request: HttpRequest) -> float | None:
 
 
 class GenerationApi(ApiView):
-    """A generation endpoint of one wire format: its parser (InputSerializer) into the one plan,
-    its renderers of the one event stream (response_body for a whole body, Stream for chunks)."""
+    """A generation endpoint of one wire format, declared by its subclass: its parser
+    (InputSerializer) into the one plan, its renderers of the one event stream (render_body for a
+    whole body, Stream for chunks), and its OpenAPI description (operation_id, summary, the
+    OutputSerializer of a whole body)."""
 
     kind: str  # chat | completion
     InputSerializer: type[serializers.Serializer]
+    OutputSerializer: type[serializers.Serializer]
     Stream: Callable[[GenerationPlan], ChunkStream]
+    render_body: Callable[[GenerationPlan, list, Any], dict[str, Any]]
+    operation_id: str
+    summary: str
 
-    def response_body(self, plan: GenerationPlan, choices: list, usage) -> dict[str, Any]:
-        raise NotImplementedError
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+
+        async def post(self: GenerationApi, request: HttpRequest) -> HttpResponse:
+            return await GenerationApi.post(self, request)
+
+        cls.post = generation_schema(  # type: ignore[method-assign]  # the same post, described per format
+            operation_id=cls.operation_id,
+            summary=cls.summary,
+            request=cls.InputSerializer,
+            response=cls.OutputSerializer,
+        )(post)
 
     async def authenticate(self, request: HttpRequest) -> Any:
         try:
@@ -79,7 +98,7 @@ class GenerationApi(ApiView):
         return await blocking(self._json_response)(plan, choices, generation.usage)
 
     def _json_response(self, plan: GenerationPlan, choices: list, usage) -> HttpResponse:
-        body = body_json(self.response_body(plan, choices, usage))
+        body = body_json(type(self).render_body(plan, choices, usage))
         return HttpResponse(body, content_type="application/json")
 
 
@@ -103,3 +122,24 @@ def generation_input(body: Any, serializer_class: type[serializers.Serializer]) 
     except serializers.ValidationError as exc:
         raise to_platform_error(exc) from exc
     return validated(serializer_class, body)
+
+
+def generation_schema(
+    *,
+    operation_id: str,
+    summary: str,
+    request: type[serializers.Serializer],
+    response: type[serializers.Serializer],
+) -> Callable:
+    """The OpenAPI description of a generation endpoint's POST: its body, its JSON answer or an
+    event stream, and the errors every generation endpoint can answer with."""
+    return extend_schema(
+        operation_id=operation_id,
+        summary=summary,
+        request=request,
+        responses={
+            (200, "application/json"): response,
+            (200, "text/event-stream"): EVENT_STREAM,
+            **api_errors(400, 404, 413),
+        },
+    )

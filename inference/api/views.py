@@ -11,7 +11,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema
 from rest_framework import serializers
 
 from core.api.base import ApiView
-from core.api.openapi import api_errors
+from core.api.openapi import api_errors, list_of
 from inference.api import formatting
 from inference.selectors import adapter_list_servable, deployment_list_for_caller
 from inference.services import served_model_resolve
@@ -29,15 +29,10 @@ class ModelOutputSerializer(serializers.Serializer):
 
 
 class ModelListApi(ApiView):
-    @extend_schema_serializer(component_name="ModelList")
-    class OutputSerializer(serializers.Serializer):
-        object = serializers.ChoiceField(choices=["list"])
-        data = ModelOutputSerializer(many=True)
-
     @extend_schema(
         operation_id="listModels",
         summary="List the models the key may use",
-        responses={200: OutputSerializer, **api_errors()},
+        responses={200: list_of("ModelList", ModelOutputSerializer), **api_errors()},
     )
     async def get(self, request: HttpRequest) -> dict[str, Any]:
         deployments = await sync_to_async(deployment_list_for_caller)(auth=self.auth)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import date, timedelta
 
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema, extend_schema_serializer, inline_serializer
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers
 
 from core.api.base import ApiView, StrictSerializer, validated
-from core.api.openapi import api_errors
+from core.api.openapi import api_errors, list_of
 from core.errors import InvalidRequestError
 from tenants.selectors import GROUP_BY_CHOICES, usage_summary
 
@@ -94,15 +94,12 @@ class UsageListApi(ApiView):
         description="Requests, errors and tokens per day, model or key (or several, comma-separated).",
         parameters=[InputSerializer],
         responses={
-            200: inline_serializer(
+            200: list_of(
                 "UsageList",
-                {
-                    "object": serializers.ChoiceField(choices=["list"]),
-                    "start": serializers.DateField(),
-                    "end": serializers.DateField(),
-                    "group_by": serializers.CharField(),
-                    "data": OutputSerializer(many=True),
-                },
+                OutputSerializer,
+                start=serializers.DateField(),
+                end=serializers.DateField(),
+                group_by=serializers.CharField(),
             ),
             **api_errors(400),
         },

@@ -13,7 +13,8 @@ from tenants.models import ApiKey, Membership, Tenant, TenantLimits
 from tenants.selectors import api_key_get_for_user, membership_get
 from tenants.services.api_keys import api_key_create, api_key_revoke, auth_cache_invalidate
 
-_LIMIT_FIELDS = (
+# The limits of a tenant that services (and the admin) set.
+LIMIT_FIELDS = (
     "requests_per_minute",
     "tokens_per_minute",
     "max_concurrent_requests",
@@ -24,7 +25,6 @@ _LIMIT_FIELDS = (
     "max_queued_requests",
     "queue_timeout_seconds",
 )
-# Members read; owners and admins also create and revoke keys.
 # Owners and admins manage a tenant's API keys and LoRA adapters; members only read.
 MANAGER_ROLES = frozenset({Membership.Role.OWNER, Membership.Role.ADMIN})
 
@@ -83,7 +83,7 @@ def tenant_create(
 
 def tenant_limits_update(*, tenant: Tenant, **changes) -> TenantLimits:
     """Change limits; every process picks them up on its next request."""
-    unknown = set(changes) - set(_LIMIT_FIELDS)
+    unknown = set(changes) - set(LIMIT_FIELDS)
     if unknown:
         raise TypeError(f"unknown limit fields: {sorted(unknown)}")
     limits, _ = TenantLimits.objects.get_or_create(tenant=tenant)

@@ -110,6 +110,25 @@ class ServingStack:
             if process.poll() is None:
                 process.send_signal(signal.SIGCONT)
 
+    def assert_refusing(self, client: Any, *, down: str) -> None:
+        """While a dependency (`down`: the check of /ready that names it) is unavailable: a new
+        request gets an OpenAI-shaped 503 that says when to retry, never a 500 or a page, and /ready
+        says not_ready."""
+        import openai
+
+        try:
+            client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
+        except openai.APIStatusError as refused:
+            assert refused.status_code == 503
+            assert refused.body["code"] == "service_unavailable"
+            assert int(refused.response.headers["retry-after"]) > 0
+        else:
+            raise AssertionError(f"a request was served while {down} was down")
+        status, body = self.ready()
+        assert (status, body["status"], body["checks"][down] != "ok") == (503, "not_ready", True)
+
     def wait_until(
         self, predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1
     ) -> Any:

@@ -15,7 +15,7 @@ from tenants.models import ApiKey
 from tenants.selectors import quota_status
 from tests.e2e.browser import chromium, log_in, screenshot
 from tests.e2e.processes import web_server
-from tests.helpers import PASSWORD, usage_row
+from tests.helpers import PASSWORD, acme, usage_row
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -52,15 +52,7 @@ def _seed_usage(key: ApiKey) -> None:
 def world_options() -> dict:
     """Acme Research with limits and two models; its owner, olivia, works in the browser."""
     return {
-        "tenant_a": {
-            "name": "Acme Research",
-            "slug": "acme",
-            "requests_per_minute": 600,
-            "tokens_per_minute": 90_000,
-            "max_concurrent_requests": 8,
-            "monthly_token_quota": 100_000,
-            "allowed_models": ["tiny-llama", "tiny-qwen"],
-        },
+        "tenant_a": acme(monthly_token_quota=100_000),
         "usernames": ("olivia", "adam", "mia", "otto"),
         "key_names": ("existing", "b-key"),
     }

@@ -99,13 +99,7 @@ def test_a_database_outage_mid_stream_loses_no_billing_and_ends_without_a_restar
     assert received[-1].usage.completion_tokens == max_tokens
 
     # While the database is down: an OpenAI-shaped 503 that says when to retry, and not ready.
-    with pytest.raises(openai.APIStatusError) as caught:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
-    assert caught.value.status_code == 503
-    assert caught.value.body["code"] == "service_unavailable"
-    assert int(caught.value.response.headers["retry-after"]) > 0
-    status, body = stack.ready()
-    assert (status, body["status"], body["checks"]["database"] != "ok") == (503, "not_ready", True)
+    stack.assert_refusing(client, down="database")
 
     # Settled in Redis (slot and reserved tokens released); its row waits for the database.
     keys = limiter.Keys(tenant_id=world.tenant_id, api_key_id=0)

@@ -296,7 +296,7 @@ def test_a_stop_string_ends_the_text_before_it_streamed_and_not(world):
 
 
 def test_chat_logprobs_carry_the_top_two_per_token_and_the_greedy_token_leads_them(world):
-    full = world.a.chat.completions.create(
+    params = dict(
         model=MODEL,
         messages=MESSAGES,
         max_tokens=8,
@@ -305,19 +305,9 @@ def test_chat_logprobs_carry_the_top_two_per_token_and_the_greedy_token_leads_th
         top_logprobs=2,
         extra_body=LONG,
     )
+    full = world.a.chat.completions.create(**params)
     content = full.choices[0].logprobs.content
-    _, _, chunks = chat_stream_texts(
-        world.a.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=8,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=2,
-            stream=True,
-            extra_body=LONG,
-        )
-    )
+    _, _, chunks = chat_stream_texts(world.a.chat.completions.create(stream=True, **params))
     streamed = [entry for c in chunks for ch in c.choices if ch.logprobs for entry in ch.logprobs.content]
 
     assert len(content) == 8

@@ -46,19 +46,23 @@ def workload(tiny_llama_dir, adapter_dirs):
     return [(name, prompt, alone(tiny_llama_dir, adapter_dirs, prompt, name)) for name, prompt in batch]
 
 
+def run_workload(engine, adapter_dirs, workload) -> list[list[int]]:
+    """Every request of the workload at once (tenant acme, each on its adapter); their tokens."""
+    for i, (name, prompt, _) in enumerate(workload):
+        engine.add_request(f"w{i}", prompt, GREEDY, tenant="acme", lora=ref(adapter_dirs, name))
+    final = run_to_completion(engine)
+    return [final[f"w{i}"].outputs[0].token_ids for i in range(len(workload))]
+
+
 def test_a_batch_mixing_three_adapters_and_the_base_gives_each_request_its_solo_tokens(
     tiny_llama_dir, adapter_dirs, workload
 ):
     engine = lora_engine(tiny_llama_dir, max_loras=4)
     steps = record_steps(engine)
-    for i, (name, prompt, _) in enumerate(workload):
-        engine.add_request(f"m{i}", prompt, GREEDY, tenant="acme", lora=ref(adapter_dirs, name))
 
-    final = run_to_completion(engine)
+    tokens = run_workload(engine, adapter_dirs, workload)
 
-    assert [final[f"m{i}"].outputs[0].token_ids for i in range(len(workload))] == [
-        solo for _, _, solo in workload
-    ]
+    assert tokens == [solo for _, _, solo in workload]
     assert max(len(s) for s in steps) == 4  # some step really held all three adapters and the base
 
 
@@ -67,14 +71,10 @@ def test_two_slots_serve_three_adapters_in_flight_loading_and_evicting_and_starv
 ):
     engine = lora_engine(tiny_llama_dir, max_loras=2, max_num_seqs=8)
     steps = record_steps(engine)
-    for i, (name, prompt, _) in enumerate(workload):
-        engine.add_request(f"s{i}", prompt, GREEDY, tenant="acme", lora=ref(adapter_dirs, name))
 
-    final = run_to_completion(engine)
+    tokens = run_workload(engine, adapter_dirs, workload)
 
-    assert [final[f"s{i}"].outputs[0].token_ids for i in range(len(workload))] == [
-        solo for _, _, solo in workload
-    ]
+    assert tokens == [solo for _, _, solo in workload]
     assert all(len(s - {0}) <= 2 for s in steps)
     assert len(set().union(*steps) - {0}) == 3
     stats = engine.get_stats()

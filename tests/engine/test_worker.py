@@ -119,6 +119,15 @@ def pending(client: redis.Redis, prefix: str) -> int:
     return int(client.xpending(requests_stream(prefix, MODEL), CONSUMER_GROUP)["pending"])
 
 
+def queue_of(client: redis.Redis, prefix: str, replica_id: str):
+    """A replica's Redis side alone, with no worker around it."""
+    from engine.worker import RequestQueue
+
+    return RequestQueue(
+        client, prefix=prefix, model=MODEL, replica_id=replica_id, output_ttl_s=60, heartbeat_ttl_s=2.0
+    )
+
+
 def stats_of(client: redis.Redis, prefix: str, replica_id: str) -> ReplicaStats | None:
     raw = client.get(replica_stats_key(prefix, MODEL, replica_id))
     return ReplicaStats.decode(raw) if raw else None
@@ -182,19 +191,25 @@ def client() -> Iterator[redis.Redis]:
     c.close()
 
 
-@pytest.fixture(scope="module")
-def direct_engine(tiny_llama_dir: Path):
+def tiny_engine(model_dir: Path, max_num_seqs: int | None = None):
+    """An engine of the workers' shape, in this process."""
     from engine.llm_engine import LLMEngine
 
+    scheduler = {"max_num_seqs": max_num_seqs} if max_num_seqs is not None else {}
     return LLMEngine.from_config(
         EngineConfig(
-            model=str(tiny_llama_dir),
+            model=str(model_dir),
             device="cpu",
             dtype="float32",
             cache=CacheConfig(num_blocks=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256),
+            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, **scheduler),
         )
     )
+
+
+@pytest.fixture(scope="module")
+def direct_engine(tiny_llama_dir: Path):
+    return tiny_engine(tiny_llama_dir)
 
 
 def run_directly(engine, request_id: str, prompt: list[int], **params) -> dict[int, tuple[str, list[int]]]:
@@ -584,17 +599,11 @@ def test_with_failovers_off_a_drain_past_its_grace_fails_the_streaming_request_w
 
 
 def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer_pending(client):
-    from engine.worker import RequestQueue
 
     prefix = new_prefix()
     stream = requests_stream(prefix, MODEL)
 
-    def queue(replica_id: str) -> RequestQueue:
-        return RequestQueue(
-            client, prefix=prefix, model=MODEL, replica_id=replica_id, output_ttl_s=60, heartbeat_ttl_s=2.0
-        )
-
-    leaving, staying = queue("leaving"), queue("staying")
+    leaving, staying = queue_of(client, prefix, "leaving"), queue_of(client, prefix, "staying")
     try:
         leaving.ensure_group()
         for request_id in ("handed-back", "kept", "reclaimed"):
@@ -627,20 +636,8 @@ def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer
 
 @pytest.fixture
 def fresh_engine(tiny_llama_dir: Path):
-    from engine.llm_engine import LLMEngine
-
     def make(max_num_seqs: int = 4):
-        return LLMEngine.from_config(
-            EngineConfig(
-                model=str(tiny_llama_dir),
-                device="cpu",
-                dtype="float32",
-                cache=CacheConfig(num_blocks=NUM_BLOCKS),
-                scheduler=SchedulerConfig(
-                    max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=max_num_seqs
-                ),
-            )
-        )
+        return tiny_engine(tiny_llama_dir, max_num_seqs)
 
     return make
 
@@ -751,16 +748,10 @@ def test_a_request_lost_more_often_than_max_failovers_ends_with_engine_failed(cl
 
 
 def test_a_takeover_fences_out_what_the_lost_replica_still_writes(client):
-    from engine.worker import RequestQueue
 
     prefix = new_prefix()
 
-    def queue(replica_id: str) -> RequestQueue:
-        return RequestQueue(
-            client, prefix=prefix, model=MODEL, replica_id=replica_id, output_ttl_s=60, heartbeat_ttl_s=2.0
-        )
-
-    stalled, taker = queue("stalled"), queue("taker")
+    stalled, taker = queue_of(client, prefix, "stalled"), queue_of(client, prefix, "taker")
     try:
         stalled.publish([("fenced", Event.delta([DeltaOutput(0, "x", [400])]))], [])
 
@@ -789,18 +780,12 @@ def test_a_takeover_fences_out_what_the_lost_replica_still_writes(client):
 
 
 def test_a_replica_whose_heartbeat_lapsed_has_its_requests_claimed_at_once(client):
-    from engine.worker import RequestQueue
     from engine.worker.queue import ORPHAN_MIN_IDLE_MS
 
     prefix = new_prefix()
     stream = requests_stream(prefix, MODEL)
 
-    def queue(replica_id: str) -> RequestQueue:
-        return RequestQueue(
-            client, prefix=prefix, model=MODEL, replica_id=replica_id, output_ttl_s=60, heartbeat_ttl_s=2.0
-        )
-
-    alive, lapsed, claimer = queue("alive"), queue("lapsed"), queue("claimer")
+    alive, lapsed, claimer = (queue_of(client, prefix, r) for r in ("alive", "lapsed", "claimer"))
     try:
         alive.ensure_group()
         for request_id in ("of-alive", "of-lapsed"):

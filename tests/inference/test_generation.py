@@ -112,6 +112,16 @@ def _delta(token: int, text: str, replica: str | None = None) -> Event:
     return event
 
 
+async def _streaming_on(replica: ProtocolFaultInjector, world, *, max_tokens: int):
+    """A streaming generation held by `replica` (live), which has sent it one token: the
+    generation, its events, the engine request, and the first delta."""
+    await replica.heartbeat()
+    generation, events = await _start(world, max_tokens=max_tokens, stream=True)
+    request = await replica.next_request()
+    await replica.emit(request.request_id, _delta(5, "a", replica=replica.replica_id))
+    return generation, events, request, await anext(events)
+
+
 async def _wait_orphaned(generation: Generation) -> None:
     """Until the generation has found its replica gone (and, with failover, waits for another)."""
     deadline = asyncio.get_running_loop().time() + 10
@@ -122,11 +132,7 @@ async def _wait_orphaned(generation: Generation) -> None:
 
 async def test_a_stream_whose_replica_vanished_goes_on_when_another_takes_it_over(world):
     lost, taker = world.faults, ProtocolFaultInjector(world.model, replica_id="fault-injector-2")
-    await lost.heartbeat()
-    generation, events = await _start(world, max_tokens=2, stream=True)
-    request = await lost.next_request()
-    await lost.emit(request.request_id, _delta(5, "a", replica=lost.replica_id))
-    first = await anext(events)
+    generation, events, request, first = await _streaming_on(lost, world, max_tokens=2)
     gaps_before = metrics.STREAM_FAILOVER_GAP.labels(world.model)._sum.get()
 
     await taker.heartbeat()
@@ -152,12 +158,8 @@ async def test_a_stream_whose_replica_vanished_goes_on_when_another_takes_it_ove
 async def test_a_stream_whose_replica_vanished_fails_when_none_takes_it_over_in_time(world, settings):
     settings.FAILOVER_WAIT_S = 1.0
     lost, other = world.faults, ProtocolFaultInjector(world.model, replica_id="fault-injector-2")
-    await lost.heartbeat()
     await other.heartbeat()  # live, but it never takes the request over
-    generation, events = await _start(world, max_tokens=5, stream=True)
-    request = await lost.next_request()
-    await lost.emit(request.request_id, _delta(5, "a", replica=lost.replica_id))
-    await anext(events)
+    generation, events, request, _ = await _streaming_on(lost, world, max_tokens=5)
 
     await lost.vanish()
     with pytest.raises(PlatformError) as caught:
@@ -174,11 +176,7 @@ async def test_with_failovers_off_a_stream_whose_replica_vanished_fails_at_once(
     settings.MAX_FAILOVERS = 0
     settings.FAILOVER_WAIT_S = 600.0
     lost = world.faults
-    await lost.heartbeat()
-    generation, events = await _start(world, max_tokens=5, stream=True)
-    request = await lost.next_request()
-    await lost.emit(request.request_id, _delta(5, "a", replica=lost.replica_id))
-    await anext(events)
+    _, events, _, _ = await _streaming_on(lost, world, max_tokens=5)
 
     await lost.vanish()
     with pytest.raises(PlatformError) as caught:

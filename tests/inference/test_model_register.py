@@ -228,17 +228,22 @@ def test_an_invalid_served_name_is_refused(tmp_path):
     assert not ModelDeployment.objects.exists()
 
 
+def engine_command(model: str = "demo") -> str:
+    """The engine command line `run_engine` prints for a deployment."""
+    out = io.StringIO()
+    call_command("run_engine", "--model", model, "--print-command", stdout=out)
+    return out.getvalue()
+
+
 def test_engines_serve_adapters_unless_the_deployment_turns_them_off(tmp_path):
     path = model_dir(tmp_path / "m", max_position_embeddings=2048)
     register("--name", "demo", "--path", str(path), "--engine-setting", "max_loras=2")
-    out = io.StringIO()
-    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
-    assert " --enable-lora --max-loras=2" in out.getvalue()
+    command = engine_command()
+    assert " --enable-lora --max-loras=2" in command
 
     register("--name", "demo", "--path", str(path), "--engine-setting", "enable_lora=false")
-    out = io.StringIO()
-    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
-    assert "--enable-lora" not in out.getvalue()
+    command = engine_command()
+    assert "--enable-lora" not in command
 
 
 def test_the_platforms_claim_timeout_reaches_the_engine_unless_the_deployment_sets_its_own(
@@ -247,11 +252,22 @@ def test_the_platforms_claim_timeout_reaches_the_engine_unless_the_deployment_se
     path = model_dir(tmp_path / "m", max_position_embeddings=2048)
     settings.REQUEST_CLAIM_TIMEOUT_MS = 4321
     register("--name", "demo", "--path", str(path))
-    out = io.StringIO()
-    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
-    assert " --claim-timeout-ms=4321" in out.getvalue()
+    command = engine_command()
+    assert " --claim-timeout-ms=4321" in command
 
     register("--name", "demo", "--path", str(path), "--engine-setting", "claim_timeout_ms=2000")
-    out = io.StringIO()
-    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
-    assert " --claim-timeout-ms=2000" in out.getvalue() and "4321" not in out.getvalue()
+    command = engine_command()
+    assert " --claim-timeout-ms=2000" in command and "4321" not in command
+
+
+def test_the_platforms_failover_bound_reaches_the_engine_unless_the_deployment_sets_its_own(
+    tmp_path, settings
+):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    settings.MAX_FAILOVERS = 5
+    register("--name", "demo", "--path", str(path))
+    assert " --max-failovers=5" in engine_command()
+
+    register("--name", "demo", "--path", str(path), "--engine-setting", "max_failovers=0")
+    command = engine_command()
+    assert " --max-failovers=0" in command and "--max-failovers=5" not in command

@@ -42,6 +42,12 @@ class PagedBatch:
     query_lens: list[int]
     seq_lens_list: list[int]
 
+    @property
+    def attention_args(self) -> tuple[torch.Tensor, ...]:
+        """The leading arguments of a varlen paged attention (kernel or reference): q, the caches,
+        where each sequence's queries start, the sequences' lengths and their block tables."""
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables)
+
     def metadata(self):
         """The attention backends' metadata of this batch."""
         from engine.attention import AttentionMetadata
@@ -116,15 +122,7 @@ def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
     """The torch reference's attention output for a batch made by make_paged_batch."""
     from kernels.reference import ref_paged_attention
 
-    return ref_paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        scale,
-    )
+    return ref_paged_attention(*batch.attention_args, scale)
 
 
 def at_one_and_two_threads(fn, *args) -> tuple[torch.Tensor, torch.Tensor]:

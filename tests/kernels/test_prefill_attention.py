@@ -35,16 +35,7 @@ def _batch(pairs, *, group, dtype, device, head_dim=32, seed=0):
 
 
 def _prefill(batch, scale, **kwargs):
-    return prefill_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        scale,
-        **kwargs,
-    )
+    return prefill_attention(*batch.attention_args, scale, **kwargs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,6 +14,7 @@ from django.test import Client
 from core.errors import AuthenticationError
 from tenants.models import ApiKey, Membership, Tenant, UsageDaily, UsageRecord
 from tenants.services import api_key_authenticate, api_key_create, usage_rollup
+from tenants.services.tenants import LIMIT_FIELDS
 from tests.helpers import MODEL, usage_row
 
 DEFAULT_RPM = settings.TENANT_DEFAULT_LIMITS["requests_per_minute"]  # the world's tenants have the defaults
@@ -44,17 +45,8 @@ def _inline_management(
 def test_tenant_add_page_has_limits_and_members_inline(operator):
     html = operator.get("/admin/tenants/tenant/add/").content.decode()
 
-    for field in (
-        "requests_per_minute",
-        "tokens_per_minute",
-        "max_concurrent_requests",
-        "monthly_token_quota",
-        "allowed_models",
-        "fair_share_weight",
-        "service_tiers",
-        "max_queued_requests",
-        "queue_timeout_seconds",
-    ):
+    assert len(LIMIT_FIELDS) == 9
+    for field in LIMIT_FIELDS:
         assert f'name="limits-0-{field}"' in html, field
     assert 'name="memberships-TOTAL_FORMS"' in html
     assert 'name="memberships-__prefix__-role"' in html

@@ -3,6 +3,7 @@ never an HTML page, never a 500 for bad input, whatever the route, method or bod
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -184,29 +185,21 @@ def test_pages_outside_v1_keep_their_html_errors(db):
     assert response["Content-Type"].startswith("text/html")
 
 
-def test_a_crash_inside_an_async_view_is_a_json_500_not_an_html_page(client, monkeypatch):
-    from inference.api import views
-
+@pytest.mark.parametrize(
+    ("module", "selector", "path"),
+    [
+        ("inference.api.views", "deployment_list_for_caller", "/v1/models"),  # an async view
+        ("tenants.api.views", "usage_summary", "/v1/usage"),  # a sync view
+    ],
+    ids=["async-view", "sync-view"],
+)
+def test_a_crash_inside_a_view_is_a_json_500_not_an_html_page(client, monkeypatch, module, selector, path):
     def broken(**kwargs):
         raise RuntimeError("a bug, not bad input")
 
-    monkeypatch.setattr(views, "deployment_list_for_caller", broken)
+    monkeypatch.setattr(importlib.import_module(module), selector, broken)
 
-    response = client.get("/v1/models")
-
-    _assert_openai_error(response, 500, "internal_error")
-    assert "a bug" not in response.content.decode()
-
-
-def test_a_crash_inside_a_sync_view_is_a_json_500_not_an_html_page(client, monkeypatch):
-    from tenants.api import views
-
-    def broken(**kwargs):
-        raise RuntimeError("a bug, not bad input")
-
-    monkeypatch.setattr(views, "usage_summary", broken)
-
-    response = client.get("/v1/usage")
+    response = client.get(path)
 
     _assert_openai_error(response, 500, "internal_error")
     assert "a bug" not in response.content.decode()

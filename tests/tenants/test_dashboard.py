@@ -25,7 +25,7 @@ from tenants.services import (
     membership_create,
     tenant_create,
 )
-from tests.helpers import PASSWORD, logged_in, usage_row
+from tests.helpers import PASSWORD, acme, logged_in, usage_row
 
 pytestmark = pytest.mark.django_db
 
@@ -33,15 +33,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def world_options() -> dict:
     return {
-        "tenant_a": {
-            "name": "Acme Research",
-            "slug": "acme",
-            "requests_per_minute": 600,
-            "tokens_per_minute": 90_000,
-            "max_concurrent_requests": 8,
-            "monthly_token_quota": 1_000_000,
-            "allowed_models": ["tiny-llama", "tiny-qwen"],
-        },
+        "tenant_a": acme(),
         "tenant_b": {"name": "Globex Labs", "slug": "globex", "allowed_models": ["globex-secret-model"]},
         "usernames": ("olivia", "adam", "mia", "oscar"),
         "key_names": ("acme-prod", "globex-prod"),
