@@ -7,36 +7,27 @@ outside is checked in add_request and refused with a typed error before any stat
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence as Seq
 
 import torch
 
+from engine import request_intake
 from engine.config import EngineConfig
 from engine.engine_setup import EngineSetup, build_engine_setup
-from engine.errors import EngineError, InvalidRequestError
 from engine.grammar_waits import GrammarWaits
-from engine.lora.errors import LoRADisabledError
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.protocol import FinishReason, LoRARef
+from engine.protocol import FinishReason
 from engine.request_state import (
-    STATUS_OF_FINISH,
     Completion,
     EngineLoad,
     EngineRequest,
-    check_request_fields,
 )
-from engine.resume import Resume, replay
-from engine.sampling_params import SamplingParams
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 from engine.step_profile import StepProfile
-from engine.stop_checker import OutputStream
-from engine.structured_output.compiler import CompileJob
-from engine.structured_output.manager import GrammarRequests, WaitingGrammar
+from engine.structured_output.manager import GrammarRequests
 
 logger = logging.getLogger(__name__)
 
@@ -95,133 +86,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Seq[int],
-        sampling_params: SamplingParams,
-        *,
-        tenant: str = "",
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora: LoRARef | None = None,
-        weight: float = 1.0,
-        deadline: float | None = None,
-        resume: Resume | None = None,
-    ) -> None:
-        """Queue a request; ``lora`` (name, path, version) names an adapter of ``tenant``, or None
-        for the base model. ``weight`` is the tenant's fair-share weight; ``deadline`` the unix
-        time by which the request must have started, else it is dropped (queue_timeout).
-        ``resume``: a request taken over from a lost replica, continued from what it had streamed
-        (engine.resume); it has started already, so no queue deadline applies."""
-        check_request_fields(request_id, sampling_params, tenant, cache_salt, priority, weight, deadline)
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.scheduler.check_num_seqs(sampling_params.n)  # before a grammar waits outside the scheduler
-        prompt = self._checked_token_ids(prompt_token_ids, "prompt")
-        if resume is not None:
-            sampling_params = resume.sampling_params(sampling_params)
-            for tokens in resume.outputs:
-                self._checked_token_ids(tokens, "resumed output")
-            deadline = None
-        grammar: CompileJob | None = None
-        if sampling_params.structured_outputs is not None:
-            grammar = self.grammars.acquire(
-                sampling_params.structured_outputs, tenant=tenant, cache_salt=cache_salt, n=sampling_params.n
-            )
-        try:
-            lora_id = self._lora_id(tenant, lora, sampling_params.n)
-        except BaseException:
-            if grammar is not None:
-                self.grammars.manager.release(grammar)
-            raise
-        now = time.time()
-        # The first add carries every size check; siblings are identical, so they cannot fail after it.
-        added: list[Sequence] = []
-        try:
-            completions = [
-                Completion(
-                    Sequence(
-                        request_id,
-                        prompt,
-                        sampling_params,
-                        index=i,
-                        tenant=tenant,
-                        priority=priority,
-                        cache_salt=cache_salt,
-                        lora_id=lora_id,
-                        arrival_time=now,
-                        weight=float(weight),
-                        deadline=None if deadline is None else float(deadline),
-                    ),
-                    OutputStream(self.tokenizer, prompt, sampling_params, self.eos_token_ids),
-                )
-                for i in range(sampling_params.n)
-            ]
-            if resume is not None:
-                for c in completions:
-                    replay(c, resume.outputs[c.seq.index], self.max_model_len)
-            seqs = [c.seq for c in completions if c.finish_reason is None]
-            # A grammar still compiling: the request waits outside the scheduler until it is ready
-            # (decided once: the compile thread may finish at any moment).
-            compiled = grammar is None or grammar.future.done()
-            for seq in seqs if compiled else ():
-                self.scheduler.add(seq)
-                added.append(seq)
-        except EngineError:
-            for seq in added:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT)
-            if self.lora_manager is not None and lora_id:
-                self.lora_manager.release(lora_id, sampling_params.n)
-            if grammar is not None:
-                self.grammars.manager.release(grammar)
-            raise
-        for c in completions:
-            c.logprobs_delta = None if sampling_params.logprobs is None else []
-            if sampling_params.logprobs is not None:
-                c.cumulative_logprob = 0.0
-            self._completions[c.seq.seq_id] = c
-        self._requests[request_id] = EngineRequest(
-            request_id,
-            completions,
-            len(prompt),
-            prompt_logprobs_due=sampling_params.prompt_logprobs is not None,
-        )
-        self.num_prompt_tokens += len(prompt)
-        if resume is not None:
-            self.num_resumed_requests += 1
-            self.num_resumed_tokens += resume.num_tokens
-        for c in completions:
-            if c.finish_reason is not None:  # ended on the lost replica: not run again
-                c.seq.status = STATUS_OF_FINISH[c.finish_reason]
-                self.finish_completion(c.seq, c.finish_reason, c.stop_reason)
-        if not seqs:
-            self._ended_at_add[request_id] = None  # reported by the next step
-        if grammar is not None:
-            if compiled:
-                self.grammars.bind(seqs, grammar.future.result())
-                self.grammars.manager.release(grammar)
-            else:
-                self.grammars.waiting[request_id] = WaitingGrammar(
-                    grammar, None if deadline is None else float(deadline)
-                )
-
-    def _checked_token_ids(self, token_ids: Seq[int], what: str) -> list[int]:
-        tokens = list(token_ids)
-        bad = [
-            t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise InvalidRequestError(f"{what} token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return tokens
-
-    def _lora_id(self, tenant: str, lora: LoRARef | None, num_seqs: int) -> int:
-        if lora is None:
-            return 0
-        if self.lora_manager is None:
-            raise LoRADisabledError("LoRA adapters are not enabled on this engine")
-        # Keyed by tenant: one tenant's adapter name never resolves to another tenant's weights.
-        return self.lora_manager.add_adapter((tenant, lora.name, lora.version), lora.path, num_seqs=num_seqs)
+    add_request = request_intake.add_request
 
     def abort_request(self, request_id: str) -> None:
         """Takes effect at the next step(), which frees the blocks and reports the request finished."""
