@@ -9,13 +9,13 @@ the least-served waiting tenant also preempts a sequence of a more-served tenant
 holds more (weighted) slots, within a token bucket on the computed work this throws away
 (fair_preempt_tokens_per_step; engine.preemption). Waiting sequences are admitted in the same order
 (engine.admission). A request may run at most max_seqs_per_request sequences. A waiting request
-whose queue deadline passes before any of it was computed is dropped.
+whose queue deadline passes before any of it was computed is dropped (engine.request_ends, with
+aborts).
 `policy="fcfs"` orders within a tier by arrival alone (the baseline fair share is measured against).
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
 
 from engine.admission import Admission, check_fits, check_num_seqs
@@ -25,7 +25,8 @@ from engine.errors import EngineError
 from engine.fair_share import ServiceCounters
 from engine.lora.slots import LoRASlots
 from engine.preemption import Preemption
-from engine.protocol import ErrorCode, FinishReason
+from engine.protocol import ErrorCode
+from engine.request_ends import RequestEnds
 from engine.request_queue import WaitingQueue
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -58,12 +59,10 @@ class Scheduler:
         # Siblings (index > 0) of a parallel-sampling request, held until index 0's prompt is
         # computed so that they share its cached blocks instead of computing them again.
         self._held: dict[str, list[Sequence]] = {}
-        self._requests: dict[str, list[Sequence]] = {}  # unfinished sequences by request id
-        self._pending_aborts: dict[str, None] = {}
-        self._num_deadlines = 0  # unfinished requests with a queue deadline
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished sequences by request id
         self.num_preemptions = 0
-        self.num_expired = 0
         self.preemption = Preemption(self)
+        self.ends = RequestEnds(self)
         self.admission = Admission(self)
 
     # -- ordering -----------------------------------------------------------------------------
@@ -85,13 +84,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         check_fits(self.config, self.block_manager, seq)
-        siblings = self._requests.setdefault(seq.request_id, [])
+        siblings = self.requests.setdefault(seq.request_id, [])
         if any(s.index == seq.index for s in siblings):
             raise EngineError(f"request {seq.request_id!r} already has a sequence with index {seq.index}")
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
         siblings.append(seq)
-        if seq.deadline is not None and len(siblings) == 1:
-            self._num_deadlines += 1
+        if len(siblings) == 1:
+            self.ends.started_tracking(seq)
         self.service.activate(seq.tenant, seq.weight)
         head = next((s for s in siblings if s.index == 0), None)
         if seq.index > 0 and head is not None and head.num_computed_tokens < head.num_prompt_tokens:
@@ -101,19 +100,17 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Mark a request aborted; the next schedule() frees its blocks and reports it."""
-        if request_id not in self._requests:
-            return False
-        self._pending_aborts[request_id] = None
-        return True
+        return request_id in self.requests and self.ends.abort(request_id)
 
     def finish(self, seq: Sequence, status: SequenceStatus, reason: str) -> None:
         assert status.is_finished, status
         if seq.is_finished:  # already aborted: nothing left to release
             return
-        self._discard(seq)
+        self.discard(seq)
         seq.status, seq.finish_reason = status, reason
 
-    def _discard(self, seq: Sequence) -> None:
+    def discard(self, seq: Sequence) -> None:
+        """Take a sequence out of every queue and free what it holds (its status is the caller's)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif not self.waiting.remove(seq):
@@ -122,17 +119,15 @@ class Scheduler:
                 del self._held[seq.request_id]
         self.block_manager.free(seq)
         self.service.deactivate(seq.tenant)
-        siblings = self._requests[seq.request_id]
+        siblings = self.requests[seq.request_id]
         siblings.remove(seq)
         if not siblings:
-            del self._requests[seq.request_id]
-            self._pending_aborts.pop(seq.request_id, None)
-            if seq.deadline is not None:
-                self._num_deadlines -= 1
+            del self.requests[seq.request_id]
+            self.ends.stopped_tracking(seq)
         elif seq.index == 0:
-            self._release_siblings(seq.request_id)  # nothing left to wait for
+            self.release_siblings(seq.request_id)  # nothing left to wait for
 
-    def _release_siblings(self, request_id: str) -> None:
+    def release_siblings(self, request_id: str) -> None:
         for seq in self._held.pop(request_id, ()):
             self.waiting.push(seq, resumed=True)
 
@@ -159,8 +154,7 @@ class Scheduler:
             seq.num_prompt_tokens_charged = end
 
     def schedule(self) -> SchedulerOutput:
-        aborted = self._process_aborts()
-        expired = self._expire_waiting() if self._num_deadlines else []
+        aborted, expired = self.ends.take()
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
@@ -217,23 +211,6 @@ class Scheduler:
             finished_expired=expired,
         )
 
-    def _expire_waiting(self) -> list[Sequence]:
-        """Drop the requests whose queue deadline passed while none of their sequences had started."""
-        now = time.time()
-        expired: list[Sequence] = []
-        for seqs in list(self._requests.values()):
-            deadline = seqs[0].deadline
-            if deadline is None or deadline > now:
-                continue
-            if any(s.status is not SequenceStatus.WAITING or s.num_prompt_tokens_charged for s in seqs):
-                continue  # started: it runs to its end
-            for seq in list(seqs):
-                self._discard(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, FINISH_QUEUE_TIMEOUT
-                expired.append(seq)
-        self.num_expired += len({s.request_id for s in expired})
-        return expired
-
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its KV, keep its outputs, requeue it ahead of new work."""
         self.running.remove(seq)
@@ -243,16 +220,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(seq, resumed=True, first=True)
-
-    def _process_aborts(self) -> list[Sequence]:
-        aborted: list[Sequence] = []
-        for request_id in list(self._pending_aborts):
-            for seq in list(self._requests.get(request_id, ())):
-                self._discard(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED_ABORTED, FinishReason.ABORT
-                aborted.append(seq)
-        self._pending_aborts.clear()
-        return aborted
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[int, int]
@@ -274,7 +241,7 @@ class Scheduler:
                 self.service.charge(seq.tenant, output_tokens=1)
                 sampled.append(seq)
             if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                self._release_siblings(seq.request_id)
+                self.release_siblings(seq.request_id)
         return sampled
 
     def compute_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
@@ -283,7 +250,7 @@ class Scheduler:
     # -- introspection ------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self.requests)
 
     @property
     def num_running(self) -> int:
@@ -311,5 +278,5 @@ class Scheduler:
             "kv_cache_usage": bm.usage,
             "prefix_cache_hit_rate": bm.prefix_cache_stats()["hit_rate"],
             "num_preemptions": self.num_preemptions,
-            "num_expired": self.num_expired,
+            "num_expired": self.ends.num_expired,
         }
