@@ -1,5 +1,6 @@
-"""The serving stack for benchmarks: Django configured in this process (rows, tokenizer), daphne and
-one engine replica as subprocesses, all on one database and one Redis key prefix of their own.
+"""The serving stack for benchmarks: Django configured in this process (rows, tokenizer), the web
+process (`python -m config.web_server`: daphne) and engine replicas as subprocesses, all on one
+database and one Redis key prefix of their own.
 
 The database is PostgreSQL from DATABASE_URL when it is set, else a throwaway SQLite file; Redis is
 REDIS_URL when it is set, else an embedded redis-server in a throwaway directory. Whatever this
@@ -122,14 +123,17 @@ class BenchStack:
                 "engine" if i == 0 else f"engine-{replica}": [*engine, replica]
                 for i, replica in enumerate(replicas)
             },
+            # The web entry point users run (daphne with a drain and a listen backlog).
             "daphne": [
                 sys.executable,
                 "-m",
-                "daphne",
+                "config.web_server",
                 "-b",
                 "127.0.0.1",
                 "-p",
                 str(port),
+                "-v",
+                "0",
                 "config.asgi:application",
             ],
         }
@@ -235,8 +239,13 @@ def create_stack(
     engine_settings: dict[str, Any],
     dtype: str | None = None,
     max_model_len: int | None = None,
+    max_queued: int | None = None,
 ) -> BenchStack:
-    """Configure Django, register the model and an unthrottled tenant with a key (not started yet)."""
+    """Configure Django, register the model and an unthrottled tenant with a key (not started yet).
+
+    `max_queued`: the requests that may wait to start, on the model and for the tenant (the
+    platform's defaults, 256 and 64, when None); a load of N concurrent clients sets N, so that
+    what is measured is the serving path, not its queue bounds."""
     run_id = uuid.uuid4().hex[:8]
     work_dir = configure_django(run_id=run_id)
     from inference.services import deployment_register
@@ -246,10 +255,15 @@ def create_stack(
     options: dict[str, Any] = {"max_model_len": max_model_len}
     if dtype is not None:
         options["dtype"] = dtype
-    deployment_register(name=model, model_path=model_dir, engine_settings=engine_settings, **options)
-    tenant = tenant_create(
-        name=f"Bench {run_id}", slug=f"bench-{run_id}", allowed_models=[model], **UNTHROTTLED
+    deployment, _ = deployment_register(
+        name=model, model_path=model_dir, engine_settings=engine_settings, **options
     )
+    limits: dict[str, Any] = dict(UNTHROTTLED)
+    if max_queued is not None:
+        deployment.max_queued_requests = max_queued
+        deployment.save(update_fields=["max_queued_requests"])
+        limits["max_queued_requests"] = max_queued
+    tenant = tenant_create(name=f"Bench {run_id}", slug=f"bench-{run_id}", allowed_models=[model], **limits)
     _, raw_key = api_key_create(tenant=tenant, name="bench")
     return BenchStack(
         run_id=run_id,

@@ -296,6 +296,7 @@ def main() -> None:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
         },
+        max_queued=args.concurrency,  # the load offered: no client is refused for the queue bounds
     )
     try:
         from inference.tokenization import chat_prompt_ids, get_tokenizer

@@ -37,6 +37,8 @@ from core.draining import is_draining, mark_draining
 logger = logging.getLogger("pagoda.web")
 
 DEFAULT_APPLICATION = "config.asgi:application"
+# Connections the kernel queues for accept() (capped by net.core.somaxconn).
+DEFAULT_BACKLOG = 1024
 # How often a draining server looks for the end of its open connections.
 DRAIN_POLL_S = 0.1
 # Websocket close code for those still open when the grace period ends: 4000 + the HTTP status, as
@@ -158,6 +160,16 @@ class DrainingServer(daphne.server.Server):
         await super().handle_reply(protocol, message)
 
 
+def listening_endpoints(args: argparse.Namespace) -> list[str]:
+    """Twisted's endpoint descriptions of where to listen. Its listen backlog is 50 by default: a
+    burst of clients connecting at once (a few hundred streams starting together) overflows it,
+    and the kernel drops their connections before the server sees them."""
+    endpoints = build_endpoint_description_strings(
+        host=args.host, port=args.port, unix_socket=args.unix_socket, file_descriptor=args.fd
+    )
+    return [e if e.startswith("fd:") else f"{e}:backlog={args.backlog}" for e in endpoints]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m config.web_server",
@@ -168,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-p", "--port", type=int, default=None, help="TCP port (default 8000)")
     parser.add_argument("-u", "--unix-socket", default=None, help="listen on a unix socket instead")
     parser.add_argument("--fd", type=int, default=None, help="listen on an inherited file descriptor instead")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=DEFAULT_BACKLOG,
+        help=f"connections the kernel queues before they are accepted (default {DEFAULT_BACKLOG})",
+    )
     parser.add_argument(
         "--drain-grace-s",
         type=float,
@@ -207,9 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.unix_socket is None and args.fd is None:
         args.host = args.host or "127.0.0.1"
         args.port = 8000 if args.port is None else args.port
-    endpoints = build_endpoint_description_strings(
-        host=args.host, port=args.port, unix_socket=args.unix_socket, file_descriptor=args.fd
-    )
+    endpoints = listening_endpoints(args)
     application = guarantee_single_callable(import_by_path(args.application))
     # This process owns the requests it admits, and settles those that a dead one left behind.
     from inference.services.settler import settler_start

@@ -314,3 +314,34 @@ def test_a_websocket_still_open_when_the_web_grace_period_ends_is_closed_and_the
     assert (opcode, int.from_bytes(data[:2], "big")) == (websocket.ABNF.OPCODE_CLOSE, 4503)
     assert returncode == 0, web.tail()
     assert "drain grace period over with 1 connections open" in web.tail()
+
+
+def test_the_web_process_queues_a_burst_of_connections_instead_of_dropping_them(tmp_path):
+    import subprocess
+
+    from config.web_server import DEFAULT_BACKLOG
+
+    web, base_url = start_web(log_path=tmp_path / "web-backlog.log", name="web-backlog")
+    try:
+        port = int(base_url.rsplit(":", 1)[1])
+        # For a listening socket, ss's Send-Q is its accept backlog (Twisted's default is 50).
+        listening = subprocess.run(
+            ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        somaxconn = int(open("/proc/sys/net/core/somaxconn").read())  # noqa: SIM115 - read at once
+        assert int(listening[2]) == min(DEFAULT_BACKLOG, somaxconn)
+        # And a burst of clients at once: every connection is accepted and answered.
+        with ThreadPoolExecutor(max_workers=200) as pool:
+            statuses = list(pool.map(lambda _: _live_status(port), range(400)))
+        assert statuses == [200] * 400
+    finally:
+        web.stop()
+
+
+def _live_status(port: int) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("GET", "/live")
+        return connection.getresponse().status
+    finally:
+        connection.close()
