@@ -23,7 +23,7 @@ from engine.protocol import (
     requests_stream,
     usage_key,
 )
-from engine.worker.scripts import HAND_BACK_SCRIPT, TAKE_OVER_SCRIPT, TOUCH_SCRIPT
+from engine.worker.scripts import ACK_OWNED_SCRIPT, HAND_BACK_SCRIPT, TAKE_OVER_SCRIPT, TOUCH_SCRIPT
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 
@@ -79,6 +79,7 @@ class RequestQueue:
         self._touch = client.register_script(TOUCH_SCRIPT)
         self._hand_back = client.register_script(HAND_BACK_SCRIPT)
         self._take_over = client.register_script(TAKE_OVER_SCRIPT)
+        self._ack_owned = client.register_script(ACK_OWNED_SCRIPT)
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self._autoclaim_cursor: bytes | str = "0-0"
         self._cancel_cursor: bytes | str = "0-0"
@@ -252,7 +253,7 @@ class RequestQueue:
                 if rid in live or stamp[0] / 1000 >= time.time() - self.output_ttl_s
             }
         if acks:
-            pipe.xack(self.stream, CONSUMER_GROUP, *acks)
+            self._ack_owned(keys=[self.stream], args=[CONSUMER_GROUP, self.replica_id, *acks], client=pipe)
         results = pipe.execute(raise_on_error=False)
         self._unsent, self._unsent_acks = [], []
         for index in xadds:

@@ -74,3 +74,17 @@ local id = redis.call('XADD', KEYS[1], '*', 'data', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return {entries, id}
 """
+
+# Ack the entries of requests this consumer answered, only those it still owns: one another
+# replica took over from us (we had stalled past the heartbeat TTL or the claim timeout) is that
+# replica's to ack; a plain XACK would drop it from the group under its new holder.
+ACK_OWNED_SCRIPT = """
+local acked = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    acked = acked + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  end
+end
+return acked
+"""

@@ -779,6 +779,28 @@ def test_a_takeover_fences_out_what_the_lost_replica_still_writes(client):
         drop_keys(client, prefix)
 
 
+def test_a_stalled_replica_does_not_ack_an_entry_another_replica_took_over(client):
+    prefix = new_prefix()
+    stream = requests_stream(prefix, MODEL)
+    stalled, taker = queue_of(client, prefix, "stalled"), queue_of(client, prefix, "taker")
+    try:
+        stalled.ensure_group()
+        submit(client, prefix, "contested")
+        submit(client, prefix, "own")
+        [(contested, _), (own, _)] = stalled.read_new(10, None)
+        client.xclaim(stream, CONSUMER_GROUP, "taker", 0, [contested], justid=True)  # taken over
+
+        # The stalled replica wakes up and acks both as answered: only its own entry is acked.
+        stalled.publish([], [contested, own])
+
+        rows = client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
+        assert [(row["message_id"], row["consumer"]) for row in rows] == [(contested, b"taker")]
+        taker.publish([], [contested])
+        assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0
+    finally:
+        drop_keys(client, prefix)
+
+
 def test_a_replica_whose_heartbeat_lapsed_has_its_requests_claimed_at_once(client):
     from engine.worker.queue import ORPHAN_MIN_IDLE_MS
 
