@@ -114,6 +114,8 @@ class BenchStack:
     ) -> None:
         """Start daphne and one engine replica per id in `replicas` (the first one's process is
         named "engine", the others "engine-<id>"), and wait for /ready."""
+        from config.web_command import web_command
+
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
@@ -124,18 +126,7 @@ class BenchStack:
                 for i, replica in enumerate(replicas)
             },
             # The web entry point users run (daphne with a drain and a listen backlog).
-            "daphne": [
-                sys.executable,
-                "-m",
-                "config.web_server",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "-v",
-                "0",
-                "config.asgi:application",
-            ],
+            "daphne": web_command(port, "-v", "0"),
         }
         for name, command in argv.items():
             with open(self.log_path(name), "wb") as log:

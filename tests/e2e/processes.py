@@ -25,6 +25,7 @@ from urllib.parse import quote
 from django.conf import settings
 from django.db import connection
 
+from config.web_command import web_command
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,21 +119,7 @@ def start_web(*, log_path: Path, name: str = "web", **env: str) -> tuple[Process
     """One web process (the project's entry point: daphne with a drain on SIGTERM) on a free port;
     returns it and its base URL once /live answers."""
     port = free_port()
-    web = spawn(
-        name,
-        [
-            sys.executable,
-            "-m",
-            "config.web_server",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "config.asgi:application",
-        ],
-        log_path,
-        **env,
-    )
+    web = spawn(name, web_command(port), log_path, **env)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_for_http(base_url + "/live", timeout=STARTUP_TIMEOUT_S, process=web.popen)

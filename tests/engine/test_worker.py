@@ -128,6 +128,14 @@ def queue_of(client: redis.Redis, prefix: str, replica_id: str):
     )
 
 
+def taken_by(queue, *request_ids: str) -> list[tuple[bytes, dict]]:
+    """Requests submitted and read by one replica's queue (no worker): their entries, in order."""
+    queue.ensure_group()
+    for request_id in request_ids:
+        submit(queue.client, queue.prefix, request_id)
+    return queue.read_new(len(request_ids), None)
+
+
 def stats_of(client: redis.Redis, prefix: str, replica_id: str) -> ReplicaStats | None:
     raw = client.get(replica_stats_key(prefix, MODEL, replica_id))
     return ReplicaStats.decode(raw) if raw else None
@@ -599,16 +607,11 @@ def test_with_failovers_off_a_drain_past_its_grace_fails_the_streaming_request_w
 
 
 def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer_pending(client):
-
     prefix = new_prefix()
     stream = requests_stream(prefix, MODEL)
-
     leaving, staying = queue_of(client, prefix, "leaving"), queue_of(client, prefix, "staying")
     try:
-        leaving.ensure_group()
-        for request_id in ("handed-back", "kept", "reclaimed"):
-            submit(client, prefix, request_id)
-        (first, fields), (second, _), (third, _) = leaving.read_new(10, None)
+        (first, fields), (second, _), (third, _) = taken_by(leaving, "handed-back", "kept", "reclaimed")
         client.xclaim(stream, CONSUMER_GROUP, "thief", 0, [third], justid=True)  # as after a stall
 
         handed = leaving.hand_back([first, third])
@@ -784,10 +787,7 @@ def test_a_stalled_replica_does_not_ack_an_entry_another_replica_took_over(clien
     stream = requests_stream(prefix, MODEL)
     stalled, taker = queue_of(client, prefix, "stalled"), queue_of(client, prefix, "taker")
     try:
-        stalled.ensure_group()
-        submit(client, prefix, "contested")
-        submit(client, prefix, "own")
-        [(contested, _), (own, _)] = stalled.read_new(10, None)
+        [(contested, _), (own, _)] = taken_by(stalled, "contested", "own")
         client.xclaim(stream, CONSUMER_GROUP, "taker", 0, [contested], justid=True)  # taken over
 
         # The stalled replica wakes up and acks both as answered: only its own entry is acked.
