@@ -146,7 +146,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch | triton | auto (triton on cuda, torch on cpu)
     seed: int = 0
     enforce_eager: bool = False  # True disables CUDA graphs
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one); empty: 1,
+    # 2, 4 and every multiple of 8, up to the scheduler's max_num_seqs (see `graph_batch_sizes`).
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
     max_model_len: int | None = None  # None: from the model's config, capped by the scheduler's
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

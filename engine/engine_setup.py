@@ -29,7 +29,7 @@ class EngineSetup:
     num_blocks: int
     model: LlamaForCausalLM
     sampler: Sampler
-    cuda_graph_batch_sizes: tuple[int, ...]  # those within the scheduler's max_num_seqs
+    cuda_graph_batch_sizes: tuple[int, ...]  # `graph_batch_sizes`: within the scheduler's max_num_seqs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,6 +126,16 @@ def resolve_num_blocks(
     return num_blocks
 
 
+def graph_batch_sizes(configured: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes to capture: the configured ones within max_num_seqs, or by default 1,
+    2, 4 and every multiple of 8 up to it (a batch is padded to the next size, so the default wastes
+    at most 7 rows), and max_num_seqs itself, so that no decode batch runs without a graph."""
+    if configured:
+        return tuple(sorted({b for b in configured if b <= max_num_seqs}))
+    sizes = {b for b in (1, 2, 4) if b <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8))
+    return tuple(sorted(sizes | {max_num_seqs}))
+
+
 def build_engine_setup(config: EngineConfig) -> EngineSetup:
     model_config = load_model_config(config.model)  # refuses bad directories before any heavy work
     tokenizer = load_tokenizer(config.model)
@@ -137,7 +147,7 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
     model = load_model(config.model, backend, dtype=config.dtype, device=device)
     sampler = Sampler(model_config.eos_token_ids)
     num_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
-    graph_sizes = tuple(b for b in config.cuda_graph_batch_sizes if b <= scheduler_config.max_num_seqs)
+    graph_sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, scheduler_config.max_num_seqs)
     return EngineSetup(
         model_config,
         tokenizer,

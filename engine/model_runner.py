@@ -7,6 +7,8 @@ a scratch block past the pool so they never touch a real sequence's cache.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +24,8 @@ from engine.step_profile import StepProfile
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
+
+logger = logging.getLogger(__name__)
 
 # Starts filling the token bitmask of a step's sampled sequences; returns its join (None: no
 # sequence is constrained).
@@ -301,6 +305,7 @@ class _DecodeGraphs:
         self.block_tables = torch.full((max_bs, max_blocks), scratch_block, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        started = time.perf_counter()
         pool = None
         for b in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
             md = self._metadata(b)
@@ -312,6 +317,13 @@ class _DecodeGraphs:
                 out = model(self.input_ids[:b], self.positions[:b], runner.kv_caches, md)
             pool = graph.pool()
             self.graphs[b] = (graph, out)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %d to %d) in %.1f s",
+            len(self.sizes),
+            self.sizes[0],
+            max_bs,
+            time.perf_counter() - started,
+        )
 
     def _metadata(self, b: int) -> AttentionMetadata:
         # Host-side lengths are upper bounds: a captured graph cannot depend on per-step values.

@@ -172,3 +172,18 @@ def test_wrongly_typed_request_fields_are_refused_before_they_can_break_a_step(
         engine.add_request("", PROMPT, SamplingParams(max_tokens=2))
     finished = [o for o in _drain(engine) if o.finished]
     assert [o.request_id for o in finished] == ["fine"] and finished[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("configured", "max_num_seqs", "sizes"),
+    [
+        ((), 20, (1, 2, 4, 8, 16, 20)),  # every decode batch has a graph: 17-20 replay the 20
+        ((), 256, (1, 2, 4, *range(8, 257, 8))),
+        ((), 3, (1, 2, 3)),
+        ((1, 8, 64, 512, 8), 100, (1, 8, 64)),  # configured: taken as given, within max_num_seqs
+    ],
+)
+def test_cuda_graphs_cover_the_decode_batches_the_scheduler_can_form(configured, max_num_seqs, sizes) -> None:
+    from engine.engine_setup import graph_batch_sizes
+
+    assert graph_batch_sizes(configured, max_num_seqs) == sizes
