@@ -7,6 +7,8 @@ fused (q|k|v and gate|up) so each layer runs two large matmuls instead of five s
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,12 +50,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused = False  # the C kernel on CPU (set by LlamaForCausalLM once it knows the device)
+        # The fused kernels (kernels.cpu_fused or kernels.gpu_fused), set by LlamaForCausalLM once
+        # it knows the device; None: the torch form below.
+        self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None) -> torch.Tensor:
         """With ``residual_delta``, the residual stream x is first updated in place (x += delta)."""
-        if self.fused:
-            return cpu_fused.rms_norm(x, self.weight, self.eps, residual_delta)
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps, residual_delta)
         if residual_delta is not None:
             x.add_(residual_delta)
         # Normalise in float32 then cast back before the weight, as the reference implementation does.
@@ -72,8 +76,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
-        # Rotary embedding and the K/V store in one C pass (CPU, torch backend; set by the model).
-        self.fused = False
+        # Rotary embedding and the K/V store in one pass of the fused kernels (set by the model).
+        self.fused: ModuleType | None = None
 
     def forward(
         self,
@@ -85,9 +89,9 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if self.fused:
+        if self.fused is not None:
             k_cache, v_cache = kv_cache
-            cpu_fused.rope_and_store_kv(
+            self.fused.rope_and_store_kv(
                 qkv, cos, sin_signed, metadata.slot_mapping, k_cache, v_cache, self.num_heads
             )
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
@@ -110,11 +114,11 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fused = False  # the C silu_mul on CPU (set by LlamaForCausalLM)
+        self.fused: ModuleType | None = None  # the fused kernels' silu_mul (set by LlamaForCausalLM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         # In place on the fused projection's output, which nothing else holds: two fewer
         # (num_tokens, intermediate_size) temporaries per layer.
@@ -163,23 +167,31 @@ class LlamaForCausalLM(nn.Module):
         self.packed_max_rows = 0  # batches of up to this many rows use packed_logits_weight
 
     def _use_fused(self, device: torch.device) -> None:
-        """Norms and MLP activations take the C kernels on CPU where they could be built."""
+        """Norms, MLP activations and the rotary embedding with the K/V store take the fused
+        kernels: in C on CPU where they could be built, in Triton on a GPU."""
         if self._fused_device == device:
             return
         self._fused_device = device
         cfg = self.config
-        on = (
-            device.type == "cpu"
-            and self.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-            and cfg.head_dim <= 512
-            and cpu_fused.available()
-        )
+        dtype = self.model.embed_tokens.weight.dtype
+        kernels: ModuleType | None = None
+        if device.type == "cpu":
+            if dtype in (torch.float32, torch.bfloat16) and cfg.head_dim <= 512 and cpu_fused.available():
+                kernels = cpu_fused
+        elif device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16):
+            from kernels import gpu_fused
+
+            kernels = gpu_fused
         for module in self.modules():
             if isinstance(module, RMSNorm | LlamaMLP):
-                module.fused = on
+                module.fused = kernels
             elif isinstance(module, LlamaAttention):
-                # The store is the torch backend's first act; another backend keeps its own.
-                module.fused = on and isinstance(self.backend, TorchAttentionBackend)
+                # On CPU the store is the torch backend's first act; the Triton backend under the
+                # interpreter keeps its own. On a GPU both take the stored K/V.
+                on = kernels is not None and (
+                    device.type == "cuda" or isinstance(self.backend, TorchAttentionBackend)
+                )
+                module.fused = kernels if on else None
 
     @torch.inference_mode()
     def forward(

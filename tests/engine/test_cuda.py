@@ -19,6 +19,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from kernels import gpu_fused
 from tests.engine.test_parity import ARCH_FIXTURES, Recorder, _prompts, assert_greedy, hf_model
 
 pytestmark = pytest.mark.gpu
@@ -53,10 +54,15 @@ def test_mixed_chunked_and_cached_steps_match_transformers_in_float32(
         max_num_batched_tokens=48,
         enforce_eager=True,
     )
-    assert llm.engine.runner.model.backend.name == "triton"
+    model = llm.engine.runner.model
+    assert model.backend.name == "triton"
     rec = Recorder(llm)
     shared = _prompts([40], seed=2)[0]
     llm.generate([shared + [7, 8]], _greedy(4))
+    # The norms, the MLP activation and the rotary embedding with the K/V store: one Triton launch
+    # each (kernels.gpu_fused).
+    layer = model.model.layers[0]
+    assert {layer.input_layernorm.fused, layer.mlp.fused, layer.self_attn.fused} == {gpu_fused}
     # Chunked (a 48-token budget), mixed with decodes, then prefix-cache hits on the shared blocks.
     outs = llm.generate(_prompts([1, 7, 33, 90], seed=5) + [shared + [9], shared], _greedy(12))
     assert [o.num_cached_tokens for o in outs[-2:]] == [32, 32]
