@@ -81,8 +81,8 @@ def gemm_flops(device: torch.device, dtype: torch.dtype, sizes: list[int], repea
 
 
 class Steps:
-    """Synthetic forward steps on one engine's runner: the sequences hold zeros, which costs the
-    same as text; their blocks are laid out one after another in the pool."""
+    """Synthetic forward steps on one engine's runner (engine.warm_up.synthetic_step): the
+    sequences hold zeros, which costs the same as text."""
 
     def __init__(self, llm, device: torch.device) -> None:
         self.runner = llm.engine.runner
@@ -97,25 +97,10 @@ class Steps:
         self.layer_params = sum(p.numel() for p in self.model.model.layers.parameters())
         self.weight_bytes = (self.layer_params + self.head_params) * self.elem
 
-    def _scheduled(self, lengths: list[int], new_tokens: list[int]):
-        from engine.sampling_params import SamplingParams
-        from engine.scheduler_output import ScheduledSequence
-        from engine.sequence import Sequence
-
-        bs, items, block = self.runner.block_size, [], 0
-        for i, (length, new) in enumerate(zip(lengths, new_tokens, strict=True)):
-            seq = Sequence(f"roofline-{i}", [0] * length, SamplingParams(max_tokens=1))
-            blocks = -(-length // bs)
-            seq.block_table = list(range(block, block + blocks))
-            block += blocks
-            seq.num_computed_tokens = length - new
-            items.append(ScheduledSequence(seq, new))
-        if block > self.runner.num_blocks:
-            raise SystemExit(f"the step needs {block} KV blocks, the pool has {self.runner.num_blocks}")
-        return items
-
     def time(self, lengths: list[int], new_tokens: list[int], repeats: int) -> float:
-        inputs = self.runner.prepare(self._scheduled(lengths, new_tokens))
+        from engine.warm_up import synthetic_step
+
+        inputs = self.runner.prepare(synthetic_step(self.runner, lengths, new_tokens))
         times = []
         for i in range(repeats + 2):
             _sync(self.device)

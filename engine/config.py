@@ -146,6 +146,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch | triton | auto (triton on cuda, torch on cpu)
     seed: int = 0
     enforce_eager: bool = False  # True disables CUDA graphs
+    # On a GPU, one forward of each eager step shape before serving (engine.warm_up); False leaves
+    # the kernels' compiles to the first requests.
+    warm_up: bool = True
     # Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one); empty: 1,
     # 2, 4 and every multiple of 8, up to the scheduler's max_num_seqs (see `graph_batch_sizes`).
     cuda_graph_batch_sizes: tuple[int, ...] = ()

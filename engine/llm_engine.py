@@ -28,6 +28,7 @@ from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
 from engine.sequence import Sequence
 from engine.step_profile import StepProfile
 from engine.structured_output.manager import GrammarRequests
+from engine.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,11 @@ class LLMEngine:
             grammar_bitmask=self.grammars.start_bitmask,
             enforce_eager=config.enforce_eager,
             cuda_graph_batch_sizes=setup.cuda_graph_batch_sizes,
+        )
+        self.warm_up_seconds = (
+            warm_up(self.runner, setup.scheduler_config.max_num_batched_tokens, self.max_model_len)
+            if config.warm_up
+            else 0.0
         )
         self._requests: dict[str, EngineRequest] = {}
         self._completions: dict[int, Completion] = {}  # seq_id -> completion

@@ -182,3 +182,34 @@ def test_smollm2_on_cuda_matches_transformers(dtype: str, smollm2_dir: Path) -> 
         f"{same}/{len(cold)} chats identical cold and cached"
     )
     _release(llm)
+
+
+def _compiled_kernels() -> int:
+    """How many Triton kernels this process has compiled for the current GPU, over the engine's
+    kernels (each entry of a JITFunction's cache is one set of compile-time constants)."""
+    from kernels import gpu_fused, paged_decode_attention, prefill_attention, store_kvcache
+
+    jitted = [
+        obj
+        for module in (gpu_fused, paged_decode_attention, prefill_attention, store_kvcache)
+        for obj in vars(module).values()
+        if hasattr(obj, "device_caches")
+    ]
+    device = torch.cuda.current_device()
+    return sum(len(fn.device_caches[device][0]) for fn in jitted if device in fn.device_caches)
+
+
+def test_the_warm_up_compiles_what_the_first_requests_need(tiny_llama_dir: Path) -> None:
+    # Shapes the earlier tests compiled are cached in this process: a context length they did not
+    # use (max_model_len 1536) gives this engine block tables of widths of its own.
+    llm = LLM(str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_model_len=1536, num_blocks=512)
+    assert llm.engine.warm_up_seconds > 0
+    before = _compiled_kernels()
+    prompts = _prompts([3, 20, 45, 130, 700, 1200], seed=9)
+    outs = llm.generate(prompts, _greedy(8))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    print(
+        f"warm-up {llm.engine.warm_up_seconds:.2f} s; compiled by the first requests: {_compiled_kernels() - before}"
+    )
+    assert _compiled_kernels() == before
+    _release(llm)

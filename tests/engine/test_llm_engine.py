@@ -187,3 +187,18 @@ def test_cuda_graphs_cover_the_decode_batches_the_scheduler_can_form(configured,
     from engine.engine_setup import graph_batch_sizes
 
     assert graph_batch_sizes(configured, max_num_seqs) == sizes
+
+
+@pytest.mark.parametrize(("budget", "max_model_len"), [(2048, 2048), (16, 2048), (2048, 100), (8192, 40)])
+def test_the_gpu_warm_up_steps_fit_the_step_budget_and_the_context(budget, max_model_len) -> None:
+    from engine.warm_up import warm_up_shapes
+
+    shapes = warm_up_shapes(budget, max_model_len, block_size=16)
+    assert ([min(budget, max_model_len)], [min(budget, max_model_len)]) in shapes  # the widest prefill
+    for lengths, new in shapes:
+        assert max(lengths) <= max_model_len and sum(new) <= budget
+        assert all(0 < n <= length for n, length in zip(new, lengths, strict=True))
+
+
+def test_on_cpu_there_is_no_warm_up(engine: LLMEngine) -> None:
+    assert engine.device.type == "cpu" and engine.warm_up_seconds == 0.0

@@ -1,0 +1,82 @@
+"""Warm-up before a GPU replica serves: one forward of each step shape whose kernels are built on
+first use, so that no tenant's first request waits for them.
+
+Triton compiles a kernel for each set of compile-time constants it is launched with (the prefill
+kernel's row tile follows the step's longest query: 16, 32 or 64 rows; the decode kernel has a
+single-pass and a split-KV path) and specializes integer arguments that equal 1 or are multiples
+of 16 (the block tables' width). cuBLAS picks and loads its kernels per shape class. Each is paid
+once per process, on the first step that needs it. The decode steps that replay CUDA graphs were
+compiled when the graphs were captured; this covers the eager steps: prefill chunks from a few
+tokens to the step budget, a chunk after a cached prefix mixed with decode rows, and eager decodes
+short and longer than the split size.
+
+The steps are synthetic (sequences of token 0, in blocks from the start of the pool, before any
+request holds a block); only the forward runs, not the sampler. On CPU nothing is done: the C
+kernels are compiled (or loaded from the disk cache) when the model is loaded, and measured there
+a warm-up changed nothing for the first requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledSequence
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def synthetic_step(runner: ModelRunner, lengths: list[int], new_tokens: list[int]) -> list[ScheduledSequence]:
+    """Sequences of ``lengths`` tokens (all token 0), each with its last ``new_tokens`` to compute
+    and the rest taken as cached; their blocks laid out one after another from the pool's start."""
+    items, block = [], 0
+    for i, (length, new) in enumerate(zip(lengths, new_tokens, strict=True)):
+        seq = Sequence(f"warm-up-{i}", [0] * length, SamplingParams(max_tokens=1))
+        blocks = -(-length // runner.block_size)
+        seq.block_table = list(range(block, block + blocks))
+        block += blocks
+        seq.num_computed_tokens = length - new
+        items.append(ScheduledSequence(seq, new))
+    if block > runner.num_blocks:
+        raise ValueError(f"the step needs {block} KV blocks, the pool has {runner.num_blocks}")
+    return items
+
+
+def warm_up_shapes(
+    max_num_batched_tokens: int, max_model_len: int, block_size: int
+) -> list[tuple[list[int], list[int]]]:
+    """(lengths, new tokens) of each warm-up step, within the step budget and the context length."""
+    budget = min(max_num_batched_tokens, max_model_len)
+    shapes: list[tuple[list[int], list[int]]] = []
+    for n in sorted({min(8, budget), min(24, budget), min(64, budget), budget}):
+        shapes.append(([n], [n]))  # prefill chunks: each row tile, and the widest step
+    if max_model_len > 2 * block_size + 40 and budget >= 43:
+        # A chunk after a cached prefix, with three decode rows in the same launch.
+        prefix, context = min(max_model_len - 40, 600), min(100, max_model_len)
+        shapes.append(([prefix + 40, context, context, context], [40, 1, 1, 1]))
+    for context in sorted({min(100, max_model_len), min(1100, max_model_len)}):
+        shapes.append(([context, context], [1, 1]))  # eager decodes: single pass, split-KV
+    return shapes
+
+
+def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int) -> float:
+    """Runs the warm-up steps on a GPU; returns the seconds it took (0.0 on CPU)."""
+    if runner.device.type != "cuda":
+        return 0.0
+    started = time.perf_counter()
+    shapes = [
+        s
+        for s in warm_up_shapes(max_num_batched_tokens, max_model_len, runner.block_size)
+        if sum(-(-n // runner.block_size) for n in s[0]) <= runner.num_blocks
+    ]
+    for lengths, new in shapes:
+        runner.execute(runner.prepare(synthetic_step(runner, lengths, new)))
+    torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - started
+    logger.info("warmed up %d step shapes in %.1f s", len(shapes), seconds)
+    return seconds
