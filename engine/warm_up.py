@@ -1,5 +1,5 @@
-"""Warm-up before a GPU replica serves: one forward of each step shape whose kernels are built on
-first use, so that no tenant's first request waits for them.
+"""Warm-up before a replica serves: one forward of each step shape whose kernels are built on first
+use, so that no tenant's first request waits for them.
 
 Triton compiles a kernel for each set of compile-time constants it is launched with (the prefill
 kernel's row tile follows the step's longest query: 16, 32 or 64 rows; the decode kernel has a
@@ -10,10 +10,14 @@ compiled when the graphs were captured; this covers the eager steps: prefill chu
 tokens to the step budget, a chunk after a cached prefix mixed with decode rows, and eager decodes
 short and longer than the split size.
 
+On CPU the C kernels (attention for prompts and for decodes, the fused norm, rotary and SiLU-mul)
+are compiled by the machine's C compiler on their first call, or loaded from the disk cache: a
+fresh machine's first request waited 3.4 s for them. One step of each kind (a prompt, a chunk after
+a cached prefix mixed with decodes, a decode) builds them all; a CPU kernel serves every shape, so
+no more is run.
+
 The steps are synthetic (sequences of token 0, in blocks from the start of the pool, before any
-request holds a block); only the forward runs, not the sampler. On CPU nothing is done: the C
-kernels are compiled (or loaded from the disk cache) when the model is loaded, and measured there
-a warm-up changed nothing for the first requests.
+request holds a block); only the forward runs, not the sampler.
 """
 
 from __future__ import annotations
@@ -48,35 +52,38 @@ def synthetic_step(runner: ModelRunner, lengths: list[int], new_tokens: list[int
 
 
 def warm_up_shapes(
-    max_num_batched_tokens: int, max_model_len: int, block_size: int
+    max_num_batched_tokens: int, max_model_len: int, block_size: int, *, gpu: bool = True
 ) -> list[tuple[list[int], list[int]]]:
-    """(lengths, new tokens) of each warm-up step, within the step budget and the context length."""
+    """(lengths, new tokens) of each warm-up step, within the step budget and the context length.
+    On CPU one step of each kind suffices (a kernel there serves every shape)."""
     budget = min(max_num_batched_tokens, max_model_len)
     shapes: list[tuple[list[int], list[int]]] = []
-    for n in sorted({min(8, budget), min(24, budget), min(64, budget), budget}):
+    chunks = {min(8, budget), min(24, budget), min(64, budget), budget} if gpu else {min(8, budget)}
+    for n in sorted(chunks):
         shapes.append(([n], [n]))  # prefill chunks: each row tile, and the widest step
     if max_model_len > 2 * block_size + 40 and budget >= 43:
         # A chunk after a cached prefix, with three decode rows in the same launch.
         prefix, context = min(max_model_len - 40, 600), min(100, max_model_len)
         shapes.append(([prefix + 40, context, context, context], [40, 1, 1, 1]))
-    for context in sorted({min(100, max_model_len), min(1100, max_model_len)}):
+    decodes = {min(100, max_model_len), min(1100, max_model_len)} if gpu else {min(100, max_model_len)}
+    for context in sorted(decodes):
         shapes.append(([context, context], [1, 1]))  # eager decodes: single pass, split-KV
     return shapes
 
 
 def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int) -> float:
-    """Runs the warm-up steps on a GPU; returns the seconds it took (0.0 on CPU)."""
-    if runner.device.type != "cuda":
-        return 0.0
+    """Runs the warm-up steps; returns the seconds it took."""
     started = time.perf_counter()
+    gpu = runner.device.type == "cuda"
     shapes = [
         s
-        for s in warm_up_shapes(max_num_batched_tokens, max_model_len, runner.block_size)
+        for s in warm_up_shapes(max_num_batched_tokens, max_model_len, runner.block_size, gpu=gpu)
         if sum(-(-n // runner.block_size) for n in s[0]) <= runner.num_blocks
     ]
     for lengths, new in shapes:
         runner.execute(runner.prepare(synthetic_step(runner, lengths, new)))
-    torch.cuda.synchronize(runner.device)
+    if gpu:
+        torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - started
     logger.info("warmed up %d step shapes in %.1f s", len(shapes), seconds)
     return seconds

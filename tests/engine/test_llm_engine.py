@@ -200,5 +200,34 @@ def test_the_gpu_warm_up_steps_fit_the_step_budget_and_the_context(budget, max_m
         assert all(0 < n <= length for n, length in zip(new, lengths, strict=True))
 
 
-def test_on_cpu_there_is_no_warm_up(engine: LLMEngine) -> None:
-    assert engine.device.type == "cpu" and engine.warm_up_seconds == 0.0
+@pytest.mark.slow
+def test_a_new_cpu_engine_has_built_its_kernels_before_its_first_request(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """With an empty kernel cache (a fresh machine), building the engine compiles every C kernel the
+    forward uses: none is left for a tenant's first request to wait for."""
+    import os
+    import subprocess
+    import sys
+
+    from kernels import cpu_fused
+
+    if not cpu_fused.available():
+        pytest.skip("no C compiler: the CPU forward runs the torch forms")
+    code = (
+        "import os, sys; from engine.llm import LLM; llm = LLM(sys.argv[1]); "
+        "print(llm.engine.warm_up_seconds); print(' '.join(sorted(os.listdir(sys.argv[2]))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_llama_dir), str(tmp_path / "kernels")],
+        env={**os.environ, "PAGODA_CACHE_DIR": str(tmp_path)},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seconds, built = done.stdout.strip().splitlines()[-2:]
+    assert float(seconds) > 0
+    for kernel in ("fused_elementwise", "paged_decode_attention", "paged_prefill_attention"):
+        assert any(name.startswith(kernel) and name.endswith(".so") for name in built.split()), built
