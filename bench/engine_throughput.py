@@ -13,6 +13,7 @@ continuously. Prints each side's output tokens/s and the ratio, then a final JSO
     OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py                  # 128 requests
     OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py --num-requests 16   # a quick run
     OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py --real-model --num-requests 64
+    OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py --arch qwen3       # another architecture
     python bench/engine_throughput.py --real-model --device cuda --dtype bfloat16 --num-requests 512
 """
 
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--size", default="bench", help="engine.make_model size of the built model")
+    parser.add_argument("--arch", default="llama", help="engine.make_model architecture of the built model")
     parser.add_argument("--model-dir", type=Path, default=None, help="an existing model directory instead")
     parser.add_argument(
         "--real-model",
@@ -142,7 +144,11 @@ def main() -> None:
 
     reexec_with_tcmalloc(sys.argv)  # as an engine process runs (engine.allocator)
     torch.set_num_threads(args.threads)
-    model_dir = real_model_dir() if args.real_model else (args.model_dir or bench_model_dir(size=args.size))
+    model_dir = (
+        real_model_dir()
+        if args.real_model
+        else (args.model_dir or bench_model_dir(arch=args.arch, size=args.size))
+    )
     reqs = workload(args.num_requests, args.seed, model_dir, real_text=args.real_model)
     pad_id = (
         2 if args.real_model else 5

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ _ROPE_1M = {"rope_type": "default", "rope_theta": 1000000.0}
 
 
 def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: str, ids: dict[str, int]):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -129,6 +129,16 @@ def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: st
         return MistralConfig(sliding_window=None, rope_parameters=_ROPE_1M, **common)
     if arch == "qwen2":
         return Qwen2Config(rope_parameters=_ROPE_1M, use_sliding_window=False, **common)
+    if arch == "qwen3":
+        # Qwen3's own default head_dim is 128 whatever the width; the small sizes need theirs.
+        head_dim = size.hidden_size // size.num_heads
+        return Qwen3Config(
+            rope_parameters=_ROPE_1M,
+            use_sliding_window=False,
+            head_dim=head_dim,
+            attention_bias=False,
+            **common,
+        )
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 
@@ -150,6 +160,7 @@ def make_model(
         MistralForCausalLM,
         PreTrainedTokenizerFast,
         Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
     )
 
     if size not in SIZES:
@@ -159,9 +170,21 @@ def make_model(
     ids = {k: tok.token_to_id(t) for k, t in (("bos", BOS), ("eos", EOS), ("eot", EOT), ("pad", "<|pad|>"))}
     vocab_size = tok.get_vocab_size()
     config = _hf_config(arch, spec, vocab_size, tie_word_embeddings, dtype, ids)
-    cls = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}[arch]
+    cls = {
+        "llama": LlamaForCausalLM,
+        "mistral": MistralForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+    }[arch]
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype)).eval()
+    if arch == "qwen3":
+        # transformers starts every norm at ones; random ones make a misplaced q or k norm weight
+        # change the logits.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.uniform_(0.5, 1.5)
     out_path = Path(out)
     out_path.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}

@@ -91,16 +91,17 @@ def lora_unsupported_options(config: dict[str, Any]) -> list[str]:
 def model_context_length(config: dict[str, Any]) -> int:
     """The longest context served for a checkpoint's config.json: max_position_embeddings, capped by
     a sliding window that is in use (a window at least as long as the context never slides, so
-    full attention stays exact). Qwen2 checkpoints carry a window they use only with
+    full attention stays exact). Qwen2 and Qwen3 checkpoints carry a window they use only with
     use_sliding_window. Raises ValueError for a malformed or non-positive value."""
     try:
         limit = config.get("max_position_embeddings")
         limit = 2048 if limit is None else int(limit)
         window = config.get("sliding_window")
-        qwen2 = config.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in (
-            config.get("architectures") or []
+        archs = config.get("architectures") or []
+        qwen = config.get("model_type") in ("qwen2", "qwen3") or any(
+            a in archs for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         )
-        if window is not None and (not qwen2 or config.get("use_sliding_window")):
+        if window is not None and (not qwen or config.get("use_sliding_window")):
             limit = min(limit, int(window))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed context length ({exc})") from exc

@@ -128,6 +128,7 @@ def test_a_plain_lora_config_passes_both_sides(tmp_path: Path) -> None:
         ({"max_position_embeddings": 32768, "sliding_window": 4096}, 4096),
         ({"max_position_embeddings": 32768, "sliding_window": None}, 32768),
         ({"model_type": "qwen2", "max_position_embeddings": 32768, "sliding_window": 4096}, 32768),
+        ({"model_type": "qwen3", "max_position_embeddings": 40960, "sliding_window": 4096}, 40960),
         (
             {
                 "model_type": "qwen2",
@@ -143,7 +144,9 @@ def test_web_tier_and_engine_agree_on_the_context_length(config: dict, length: i
     from engine.models.config import load_model_config
     from inference.services.deployments import model_context_limit
 
-    arch = "Qwen2ForCausalLM" if config.get("model_type") == "qwen2" else "MistralForCausalLM"
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+        config.get("model_type"), "MistralForCausalLM"
+    )
     full = {
         "architectures": [arch],
         "vocab_size": 64,

@@ -11,7 +11,7 @@ from engine.errors import EngineError
 from engine.rules import model_context_length
 
 # Architectures served by engine.models.llama; all share the Llama decoder layout.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -40,6 +40,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     torch_dtype: str
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before the rotary embedding
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -143,7 +144,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         hidden, heads = _positive(raw, "hidden_size"), _positive(raw, "num_attention_heads")
         theta, scaling = _rope(raw)
         window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
             window = None
         cfg = ModelConfig(
             architecture=arch,
@@ -161,6 +162,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=int(window) if window is not None else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_list(raw.get("eos_token_id")),

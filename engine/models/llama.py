@@ -1,4 +1,4 @@
-"""The Llama decoder family (Llama 2/3/3.1, Mistral, Qwen2) in plain torch over a flattened token batch.
+"""The Llama decoder family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) in plain torch over a flattened token batch.
 
 One forward covers every token scheduled in a step, from any number of sequences, laid out back to
 back; attention reads and writes the paged KV cache through an AttentionBackend. Projections are
@@ -67,6 +67,11 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class HeadRMSNorm(RMSNorm):
+    """Qwen3's RMSNorm over each head of q or k, (tokens, heads, head_dim) in the torch form: it
+    never takes the fused kernels, which norm whole rows."""
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -76,6 +81,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # Rotary embedding and the K/V store in one pass of the fused kernels (set by the model).
         self.fused: ModuleType | None = None
 
@@ -89,6 +96,8 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, self.q_norm, self.k_norm)
         if self.fused is not None:
             k_cache, v_cache = kv_cache
             self.fused.rope_and_store_kv(
@@ -106,6 +115,14 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _norm_heads(self, qkv: torch.Tensor, q_norm: HeadRMSNorm, k_norm: HeadRMSNorm) -> None:
+        """q and k normed per head in place in the fused projection, before the rotary embedding."""
+        tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
+        q = qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        qkv[:, :q_size] = q_norm(q).view(tokens, q_size)
+        qkv[:, q_size : q_size + kv_size] = k_norm(k).view(tokens, kv_size)
 
 
 class LlamaMLP(nn.Module):
@@ -183,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
 
             kernels = gpu_fused
         for module in self.modules():
+            if isinstance(module, HeadRMSNorm):
+                continue
             if isinstance(module, RMSNorm | LlamaMLP):
                 module.fused = kernels
             elif isinstance(module, LlamaAttention):

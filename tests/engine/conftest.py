@@ -32,6 +32,12 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 shape: an RMSNorm over each q and k head (random weights), no q/k/v bias."""
+    return _build(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2 shape: bias on the q/k/v projections."""
     return _build(tmp_path_factory, "qwen2")

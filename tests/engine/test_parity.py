@@ -16,7 +16,7 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-ARCH_FIXTURES = ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir"]
+ARCH_FIXTURES = ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
 ATOL = 1e-4  # float32 end to end; observed differences are ~1e-6
 
 _hf_models: dict[tuple[Path, torch.dtype, str], torch.nn.Module] = {}
@@ -121,10 +121,12 @@ def test_mixed_batch_matches_transformers(arch: str, request: pytest.FixtureRequ
     assert rec.check_against(model_dir) == (1 + 7 + 16 + 33 + 50) + 5 * 7
 
 
-def test_greedy_tokens_equal_transformers_generate(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("arch", ARCH_FIXTURES)
+def test_greedy_tokens_equal_transformers_generate(arch: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(arch)
     prompt = _prompts([12], seed=3)[0]
-    ours = LLM(str(tiny_llama_dir), num_blocks=32).generate([prompt], _greedy(10))[0].outputs[0].token_ids
-    hf = hf_model(tiny_llama_dir)
+    ours = LLM(str(model_dir), num_blocks=32).generate([prompt], _greedy(10))[0].outputs[0].token_ids
+    hf = hf_model(model_dir)
     ref = hf.generate(
         torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=5
     )
