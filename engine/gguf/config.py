@@ -3,7 +3,8 @@
 GGUF (llama.cpp's format, also what Ollama stores) keeps the hyper-parameters as typed key/value
 fields named `<architecture>.<key>`, the tokenizer under `tokenizer.ggml.*` and the chat template
 under `tokenizer.chat_template`. The engine serves the Llama decoder layout; GGUF names its
-checkpoints `llama` (Llama 1-3, and Mistral as llama.cpp converts it), `mistral`, and `qwen2`.
+checkpoints `llama` (Llama 1-3, and Mistral as llama.cpp converts it), `mistral`, `qwen2` and
+`qwen3` (whose per-head q and k norms are the tensors `attn_q_norm` and `attn_k_norm`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from engine.errors import EngineError
 
 # GGUF architecture name -> (Hugging Face architecture, model_type, Q/K rows permuted by llama.cpp).
 # llama.cpp's converter reorders the rows of q_proj and k_proj of Llama-layout models for its
-# interleaved rotary embedding; Qwen2 keeps the Hugging Face (neox) order.
+# interleaved rotary embedding; Qwen2 and Qwen3 keep the Hugging Face (neox) order.
 ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "mistral": ("MistralForCausalLM", "mistral", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
 }
 
 

@@ -23,6 +23,8 @@ _LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -32,12 +34,16 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_name(name: str) -> str:
+# Tensors only some architectures have.
+_ONLY_IN = {"attn_q_norm": ("qwen3",), "attn_k_norm": ("qwen3",)}
+
+
+def hf_name(name: str, arch: str) -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
     m = _LAYER_NAME.match(name)
-    if m is None or m.group(2) not in _LAYER:
-        raise GGUFImportError(f"tensor {name!r} has no counterpart in the engine's Llama-layout models")
+    if m is None or m.group(2) not in _LAYER or arch not in _ONLY_IN.get(m.group(2), (arch,)):
+        raise GGUFImportError(f"tensor {name!r} has no counterpart in the engine's {arch} models")
     layer, part, kind = m.groups()
     return f"model.layers.{layer}.{_LAYER[part]}.{kind}"
 
@@ -59,9 +65,10 @@ def check_tensors(reader: Any) -> None:
             f"(readable: {', '.join(sorted(readable))})"
         )
     names = [t.name for t in reader.tensors]
+    arch = architecture(reader)
     for name in names:
         if name != ROPE_FREQS:
-            hf_name(name)
+            hf_name(name, arch)
     if "token_embd.weight" not in names:
         raise GGUFImportError("the GGUF file has no token_embd.weight (token embeddings)")
 
@@ -100,7 +107,7 @@ def iter_hf_tensors(reader: Any, dtype: torch.dtype) -> Iterator[tuple[str, torc
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         w = dequantized(t)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rows(w, heads)

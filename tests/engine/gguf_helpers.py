@@ -23,6 +23,8 @@ LAYER_PARTS = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -83,7 +85,10 @@ def write_gguf(
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    w.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t for t in tok["added_tokens"]}
     tokens = [added[i]["content"] if i in added else t for t, i in vocab]

@@ -26,7 +26,7 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_imported_tiny_model_has_the_weights_and_config_it_was_written_from(
     arch: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -43,7 +43,7 @@ def test_imported_tiny_model_has_the_weights_and_config_it_was_written_from(
     want, have = load_model_config(source), load_model_config(out)
     for field in ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "intermediate_size", "rope_theta", "max_position_embeddings",
-                  "tie_word_embeddings", "qkv_bias", "bos_token_id", "eos_token_ids"):  # fmt: skip
+                  "tie_word_embeddings", "qkv_bias", "qk_norm", "bos_token_id", "eos_token_ids"):  # fmt: skip
         assert getattr(have, field) == getattr(want, field), field
     assert have.rms_norm_eps == pytest.approx(want.rms_norm_eps)
     if arch == "llama":  # Llama 3 rope scaling travels as llama.cpp's rope_freqs tensor
@@ -52,20 +52,22 @@ def test_imported_tiny_model_has_the_weights_and_config_it_was_written_from(
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_imported_model_generates_what_the_source_model_generates(
-    tiny_llama_dir: Path, tmp_path: Path
+    arch: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
+    source: Path = request.getfixturevalue(f"tiny_{arch}_dir")
     # F32 tensors: the import must be lossless, so greedy tokens match the source model's.
-    write_gguf(tiny_llama_dir, tmp_path / "m.gguf", arch="llama", quant="F32")
+    write_gguf(source, tmp_path / "m.gguf", arch=arch, quant="F32")
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", dtype="float32", progress=False)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     # Token ids: the GGUF's tokenizer is rebuilt by transformers' converter, whose pre-tokenizer
     # for this made-up vocabulary need not split text as the original did.
     prompts = [[5, 300, 17, 999, 42], [7, 8, 9]]
-    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), num_blocks=64).generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in LLM(str(source), num_blocks=64).generate(prompts, params)]
     llm = LLM(str(out), num_blocks=64)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     # The chat template came along with the tokenizer.
@@ -101,7 +103,9 @@ def test_other_architecture_is_refused_and_nothing_is_written(tiny_llama_dir: Pa
     write_gguf(tiny_llama_dir, tmp_path / "m.gguf", arch="gemma2")
     done = _cli("import-gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "out"))
     assert done.returncode == 2
-    assert "GGUF architecture 'gemma2' is not supported (supported: llama, mistral, qwen2)" in done.stderr
+    assert (
+        "GGUF architecture 'gemma2' is not supported (supported: llama, mistral, qwen2, qwen3)" in done.stderr
+    )
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
 
