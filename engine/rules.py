@@ -88,6 +88,25 @@ def lora_unsupported_options(config: dict[str, Any]) -> list[str]:
 # --- Context length ---------------------------------------------------------------------------------
 
 
+# The checkpoint architectures (config.json "architectures") the engine implements.
+SERVED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def served_architecture(config: dict[str, Any]) -> str:
+    """The first of a config.json's architectures that the engine serves; ValueError naming the
+    served ones when there is none."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"architectures must be a list of names, got {archs!r}")
+    served = next((a for a in archs if a in SERVED_ARCHITECTURES), None)
+    if served is None:
+        raise ValueError(
+            f"architecture {archs or config.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(SERVED_ARCHITECTURES)})"
+        )
+    return served
+
+
 def model_context_length(config: dict[str, Any]) -> int:
     """The longest context served for a checkpoint's config.json: max_position_embeddings, capped by
     a sliding window that is in use (a window at least as long as the context never slides, so

@@ -19,6 +19,7 @@ from inference.forms import AdminAdapterUploadForm
 from inference.models import LoraAdapter, ModelDeployment
 from inference.selectors import deployment_list_enabled, deployment_replicas
 from inference.services.adapters import adapter_delete, adapter_revalidate, adapter_upload
+from inference.services.deployments import ModelDirectoryError, model_context_limit
 
 
 def _replica_rows(name: str):
@@ -44,6 +45,10 @@ class ModelDeploymentForm(forms.ModelForm):
             raise forms.ValidationError(f"The model directory must be inside PAGODA_MODELS_DIR ({root}).")
         if not (resolved / "config.json").is_file():
             raise forms.ValidationError("No config.json in that directory: it is not a model directory.")
+        try:
+            model_context_limit(model_path=resolved)  # the architecture and context the engine serves
+        except ModelDirectoryError as exc:
+            raise forms.ValidationError(str(exc)) from None
         return str(resolved)
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
-from engine.rules import model_context_length
+from engine.rules import SERVED_ARCHITECTURES, model_context_length, served_architecture
 
 # Architectures served by engine.models.llama; all share the Llama decoder layout.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = SERVED_ARCHITECTURES
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -132,12 +132,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ModelLoadError(f"{root}/config.json: architectures must be a list of names, got {archs!r}")
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise UnsupportedModelError(
-            f"{root}: architecture {archs or raw.get('model_type')!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    try:
+        arch = served_architecture(raw)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{root}: {exc}") from None
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{root}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     try:

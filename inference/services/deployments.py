@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from core.errors import InvalidRequestError
-from engine.rules import model_context_length
+from engine.rules import model_context_length, served_architecture
 from inference.models import ModelDeployment
 
 
@@ -40,6 +40,7 @@ def model_context_limit(*, model_path: Path) -> int:
     if not isinstance(raw, dict):
         raise ModelDirectoryError(f"{config_path} must hold a JSON object")
     try:
+        served_architecture(raw)  # an engine could not load anything else
         return model_context_length(raw)
     except ValueError as exc:
         raise ModelDirectoryError(f"{config_path}: {exc}") from exc

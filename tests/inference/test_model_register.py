@@ -271,3 +271,18 @@ def test_the_platforms_failover_bound_reaches_the_engine_unless_the_deployment_s
     register("--name", "demo", "--path", str(path), "--engine-setting", "max_failovers=0")
     command = engine_command()
     assert " --max-failovers=0" in command and "--max-failovers=5" not in command
+
+
+def test_an_architecture_the_engine_does_not_implement_is_refused_naming_the_served_ones(tmp_path):
+    path = tmp_path / "gemma"
+    path.mkdir()
+    (path / "config.json").write_text(
+        json.dumps({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3"})
+    )
+    with pytest.raises(CommandError) as refused:
+        call_command("model_register", "--name", "gemma", "--path", str(path))
+    assert "architecture ['Gemma3ForCausalLM'] is not supported (supported: LlamaForCausalLM, " in str(
+        refused.value
+    )
+    assert "Qwen3ForCausalLM)" in str(refused.value)
+    assert not ModelDeployment.objects.exists()

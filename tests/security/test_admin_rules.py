@@ -68,6 +68,14 @@ def test_a_model_path_inside_the_models_dir_is_stored_resolved(operator, models_
     assert ModelDeployment.objects.get().model_path == str((models_dir / "tiny").resolve())
 
 
+def test_a_model_of_an_architecture_the_engine_does_not_serve_is_refused(operator, models_dir):
+    (models_dir / "gemma").mkdir()
+    (models_dir / "gemma" / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
+    response = _add(operator, str(models_dir / "gemma"))
+    assert "is not supported (supported: LlamaForCausalLM" in response.content.decode()
+    assert not ModelDeployment.objects.exists()
+
+
 def test_a_directory_that_is_no_model_is_refused(operator, models_dir):
     (models_dir / "empty").mkdir()
     response = _add(operator, str(models_dir / "empty"))
