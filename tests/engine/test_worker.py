@@ -199,7 +199,13 @@ def client() -> Iterator[redis.Redis]:
     c.close()
 
 
-def tiny_engine(model_dir: Path, max_num_seqs: int | None = None):
+def tiny_engine(
+    model_dir: Path,
+    max_num_seqs: int | None = None,
+    *,
+    max_model_len: int = MAX_MODEL_LEN,
+    num_blocks: int = NUM_BLOCKS,
+):
     """An engine of the workers' shape, in this process."""
     from engine.llm_engine import LLMEngine
 
@@ -209,8 +215,8 @@ def tiny_engine(model_dir: Path, max_num_seqs: int | None = None):
             model=str(model_dir),
             device="cpu",
             dtype="float32",
-            cache=CacheConfig(num_blocks=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, **scheduler),
+            cache=CacheConfig(num_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=256, **scheduler),
         )
     )
 
@@ -845,11 +851,15 @@ def test_a_restarted_replica_resumes_what_its_previous_process_held(client, inpr
     assert thread.is_alive()
 
 
-def test_a_live_replica_keeps_its_long_requests_from_being_reclaimed(client, inproc, fresh_engine):
+def test_a_live_replica_keeps_its_long_requests_from_being_reclaimed(client, inproc, tiny_llama_dir):
     prefix = inproc.prefix
     stream = requests_stream(prefix, MODEL)
-    inproc.in_thread(inproc(fresh_engine(), replica_id="busy", claim_timeout_ms=300))
-    submit(client, prefix, "long-runner", max_tokens=400, ignore_eos=True)
+    # The replica touches its entries every third of the claim timeout: only a stall of two thirds
+    # of it (1 s, far beyond a step of this model on a loaded machine) could let the thief in. The
+    # request (1,500 tokens) runs for several claim timeouts.
+    engine = tiny_engine(tiny_llama_dir, 4, max_model_len=2048, num_blocks=128)
+    inproc.in_thread(inproc(engine, replica_id="busy", claim_timeout_ms=1500))
+    submit(client, prefix, "long-runner", max_tokens=1500, ignore_eos=True)
     wait_events(client, prefix, "long-runner", until=has_delta)
 
     stolen = []
@@ -857,18 +867,18 @@ def test_a_live_replica_keeps_its_long_requests_from_being_reclaimed(client, inp
     def steal_until_it_ends() -> bool:
         if ended(events_of(client, prefix, "long-runner")):
             return True
-        _, claimed, _ = client.xautoclaim(stream, CONSUMER_GROUP, "thief", 300, "0-0")
+        _, claimed, _ = client.xautoclaim(stream, CONSUMER_GROUP, "thief", 1500, "0-0")
         stolen.extend(claimed)
         return False
 
     started = time.monotonic()
-    wait_until(steal_until_it_ends, timeout=90, interval=0.05, what="the long request to finish")
+    wait_until(steal_until_it_ends, timeout=180, interval=0.05, what="the long request to finish")
     ran_for = time.monotonic() - started
 
     events = events_of(client, prefix, "long-runner")
     assert stolen == []
-    assert events[-1].type == "finished" and num_streamed_tokens(events) == 400
-    assert ran_for > 0.3, "the request must outlive the claim timeout for this test to mean anything"
+    assert events[-1].type == "finished" and num_streamed_tokens(events) == 1500
+    assert ran_for > 1.5, "the request must outlive the claim timeout for this test to mean anything"
 
 
 def test_a_replica_that_lost_a_request_to_a_reclaim_stops_answering_it(client, inproc, fresh_engine):
