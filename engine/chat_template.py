@@ -135,11 +135,18 @@ def with_tools_as_text(
 
 
 def render(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
+    """The conversation as the template renders it for the assistant's turn; ``template_kwargs``
+    are the template's own variables (Qwen3's enable_thinking)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("This model has no chat template; use /v1/completions.")
-    extra = {"tools": list(tools)} if tools else {}
+    extra: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = list(tools)
     try:
         return tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False, **extra
@@ -168,6 +175,7 @@ def chat_prompt_token_ids(
     tools: Sequence[dict[str, Any]] | None = None,
     *,
     max_text_bytes: int | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the conversation rendered for the assistant's turn (the template adds BOS).
 
@@ -178,7 +186,7 @@ def chat_prompt_token_ids(
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
     if (tools or has_tool_turns) and not template_knows_tools(tokenizer):
         msgs, tools = with_tools_as_text(msgs, tools or []), None
-    text = render(tokenizer, msgs, tools)
+    text = render(tokenizer, msgs, tools, template_kwargs)
     if max_text_bytes is not None and len(text) * 4 > max_text_bytes:
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > max_text_bytes:
@@ -191,7 +199,7 @@ def chat_prompt_token_ids(
         return _encode(tokenizer, text, plain=False)
     ids: list[int] = []
     pos = 0
-    for start, end in _value_spans(tokenizer, probe_msgs, probe_tools, values, text):
+    for start, end in _value_spans(tokenizer, probe_msgs, probe_tools, values, text, template_kwargs):
         ids += _encode(tokenizer, text[pos:start], plain=False)
         ids += _encode(tokenizer, text[start:end], plain=True)
         pos = end
@@ -233,11 +241,12 @@ def _value_spans(
     tools: Sequence[dict[str, Any]] | None,
     values: list[str],
     text: str,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[tuple[int, int]]:
     """(start, end) of each occurrence of a marked value in the rendered ``text``, in order. The
     text must be exactly the template's own text (the rendering with markers) with each marker
     replaced by one rendering of its value; anything else is refused, never guessed at."""
-    skeleton = render(tokenizer, messages, tools)
+    skeleton = render(tokenizer, messages, tools, template_kwargs)
     parts = _MARKER_RE.split(skeleton)  # template text, index, template text, index, ...
     pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
     spans = []

@@ -65,6 +65,7 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
         "max_model_len",
         "dtype",
         "tool_call_parser",
+        "reasoning_parser",
         "engine_settings",
         "enabled",
         "replicas",

@@ -237,7 +237,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         tool_streams: dict[int, ChoiceMessageStream] = {}
         try:
             async for item in events:
-                if plan.tool_mode is not None and isinstance(item, ChoiceDelta | ChoiceFinished):
+                if plan.parses_message and isinstance(item, ChoiceDelta | ChoiceFinished):
                     await self._send_tool_deltas(stream_id, plan, item, tool_streams, reasons)
                 elif isinstance(item, ChoiceDelta) and (item.text or item.token_ids):
                     message = {"type": "delta", "id": stream_id, "index": item.index, "content": item.text}
@@ -280,7 +280,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         streams: dict[int, ChoiceMessageStream],
         reasons: dict[int, str],
     ) -> None:
-        """A chat with tools: content and tool_calls deltas, as the SSE stream's chunks carry them."""
+        """A chat with tools or a reasoning parser: reasoning_content, content and tool_calls
+        deltas, as the SSE stream's chunks carry them."""
         stream = streams.setdefault(item.index, ChoiceMessageStream(plan))
         if isinstance(item, ChoiceFinished):
             deltas, reasons[item.index] = stream.finish(item.finish_reason)

@@ -9,6 +9,7 @@ from django.db import models
 from django.utils import timezone
 
 from engine.rules import engine_settings_errors
+from inference.reasoning import PARSERS as REASONING_PARSERS
 from inference.tool_parsers import DEFAULT_PARSER, PARSERS
 
 # Served names travel in Redis key names and URL paths: keep them to a safe alphabet.
@@ -67,6 +68,15 @@ class ModelDeployment(models.Model):
         blank=True,
         help_text="How tool calls are read from this model's output when tool_choice is auto. Templates "
         "that do not render tools get them described in the Hermes format.",
+    )
+    reasoning_parser = models.CharField(
+        max_length=32,
+        # The parsers of inference.reasoning, or none.
+        choices=[("", "none (the answer is all content)"), *REASONING_PARSERS.items()],
+        default="",
+        blank=True,
+        help_text="How a reasoning model's thinking is read apart from its answer: chat completions "
+        "return it as reasoning_content.",
     )
     enabled = models.BooleanField(default=True)
     max_queued_requests = models.PositiveIntegerField(

@@ -47,14 +47,18 @@ def chat_prompt_ids(
     *,
     tools: list | None = None,
     fits: PromptFit | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the conversation (and its tools) rendered by the model's chat template, ready
     for the assistant's turn; text in the messages never becomes a control token. With `fits`, a
-    rendering too long to fit is refused before it is tokenized."""
+    rendering too long to fit is refused before it is tokenized. `template_kwargs`: the template's
+    own variables (chat_template_kwargs)."""
     tokenizer = get_tokenizer(model_path)
     max_bytes = fits.max_bytes(model_path) if fits else None
     try:
-        return chat_prompt_token_ids(tokenizer, messages, tools, max_text_bytes=max_bytes)
+        return chat_prompt_token_ids(
+            tokenizer, messages, tools, max_text_bytes=max_bytes, template_kwargs=template_kwargs
+        )
     except RenderedTooLong as exc:
         assert fits is not None
         raise fits.exceeded(model_path, exc.size) from exc

@@ -118,3 +118,18 @@ def _scrubbed(value):
     if isinstance(value, list):
         return [_scrubbed(v) for v in value]
     return value
+
+
+def test_template_variables_reach_the_template_and_only_it(tiny_llama_dir: Path) -> None:
+    """chat_template_kwargs: Qwen3's enable_thinking closes the thinking block in the prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tok.chat_template += (
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    )
+    chat = [{"role": "user", "content": "Hi"}]
+    plain = chat_prompt_token_ids(tok, chat)
+    off = chat_prompt_token_ids(tok, chat, template_kwargs={"enable_thinking": False})
+    assert chat_prompt_token_ids(tok, chat, template_kwargs={"enable_thinking": True}) == plain
+    assert off[: len(plain)] == plain and tok.decode(off[len(plain) :]) == "<think>\n\n</think>\n\n"

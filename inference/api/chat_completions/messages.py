@@ -1,10 +1,13 @@
-"""A chat choice's generated text as an OpenAI assistant message: content and tool calls, whole or
-as stream deltas, read as the request's tool mode says (inference.tool_parsers)."""
+"""A chat choice's generated text as an OpenAI assistant message: reasoning (vLLM's
+`reasoning_content`, where the deployment has a reasoning parser: inference.reasoning), content and
+tool calls (read as the request's tool mode says: inference.tool_parsers), whole or as stream
+deltas. Tool calls are read from the content, after the reasoning."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from inference.reasoning import ReasoningStream, split
 from inference.services import GenerationPlan
 from inference.tool_parsers import (
     ContentDelta,
@@ -28,6 +31,9 @@ def chat_message(
     """The assistant message of a finished choice and its finish_reason (tool_calls when the
     message calls tools and was not cut short)."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if plan.reasoning_parser:
+        message["reasoning_content"], content = split(plan.reasoning_parser, text)
+        message["content"], text = content, content or ""
     if plan.tool_mode is None:
         return message, finish_reason
     if plan.tool_mode == "auto":
@@ -36,7 +42,7 @@ def chat_message(
         content, calls = None, parse_named(plan.tool_name or "", text)
     else:
         content, calls = None, parse_required(text)
-    message["content"] = content
+    message["content"] = content if content or not plan.reasoning_parser else None
     if calls:
         message["tool_calls"] = [_call_body(c) for c in calls]
         if finish_reason == "stop":
@@ -57,21 +63,37 @@ def _delta_body(delta: ContentDelta | ToolCallDelta) -> dict[str, Any]:
 
 
 class ChoiceMessageStream:
-    """One streamed choice of a chat with tools: each text piece in, message deltas out."""
+    """One streamed choice of a chat with tools or a reasoning parser (plan.parses_message): each
+    text piece in, message deltas out."""
 
     def __init__(self, plan: GenerationPlan) -> None:
+        self._reasoning = ReasoningStream(plan.reasoning_parser) if plan.reasoning_parser else None
+        self._stream: Any = None
         if plan.tool_mode == "auto":
-            self._stream: Any = get_parser(plan.tool_parser).stream()
+            self._stream = get_parser(plan.tool_parser).stream()
         elif plan.tool_mode == "named":
             self._stream = NamedToolStream(plan.tool_name or "")
-        else:
+        elif plan.tool_mode == "required":
             self._stream = RequiredToolStream()
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        return [_delta_body(d) for d in self._stream.feed(text)]
+        return self._bodies(self._reasoning.feed(text) if self._reasoning else [("content", text)])
 
     def finish(self, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
-        deltas = [_delta_body(d) for d in self._stream.finish()]
-        if self._stream.called and finish_reason == "stop":
-            finish_reason = "tool_calls"
+        deltas = self._bodies(self._reasoning.finish() if self._reasoning else [])
+        if self._stream is not None:
+            deltas += [_delta_body(d) for d in self._stream.finish()]
+            if self._stream.called and finish_reason == "stop":
+                finish_reason = "tool_calls"
         return deltas, finish_reason
+
+    def _bodies(self, pieces: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                out.append({"reasoning_content": text})
+            elif self._stream is not None:
+                out += [_delta_body(d) for d in self._stream.feed(text)]
+            else:
+                out.append({"content": text})
+        return out

@@ -68,8 +68,9 @@ class ChatStream(ChunkStream):
 
     def __init__(self, plan: GenerationPlan) -> None:
         super().__init__(plan, chat_id(plan))
-        # A chat with tools reads each choice's text into content and tool-call deltas.
-        self._tools: dict[int, ChoiceMessageStream] | None = {} if plan.tool_mode is not None else None
+        # A chat with tools or a reasoning parser reads each choice's text into reasoning, content
+        # and tool-call deltas.
+        self._tools: dict[int, ChoiceMessageStream] | None = {} if plan.parses_message else None
 
     def opening(self) -> list[dict[str, Any]]:
         """Each choice's role, before any token."""
@@ -101,8 +102,8 @@ class ChatStream(ChunkStream):
     def _tool_choices(
         self, item: ChoiceDelta | ChoiceFinished, streams: dict[int, ChoiceMessageStream]
     ) -> list[dict[str, Any]]:
-        """Its text read into content and tool-call deltas (none while a call is being read), then
-        the finish."""
+        """Its text read into reasoning, content and tool-call deltas (none while a call or a
+        closing tag is being read), then the finish."""
         stream = streams.get(item.index)
         if stream is None:
             stream = streams[item.index] = ChoiceMessageStream(self.plan)

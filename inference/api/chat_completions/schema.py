@@ -17,6 +17,39 @@ from inference.api.responses import (
 )
 from inference.api.tool_fields import ResponseFormatField, ToolChoiceField, ToolsField, tool_choice_check
 
+# What the platform itself passes to a chat template: a tenant's variables may not replace them.
+_TEMPLATE_OWN = {
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "chat_template",
+    "return_dict",
+    "return_assistant_tokens_mask",
+}
+MAX_TEMPLATE_KWARGS = 16
+
+
+class ChatTemplateKwargsField(serializers.DictField):
+    """vLLM's `chat_template_kwargs`: variables for the model's chat template, such as Qwen3's
+    `enable_thinking`. Values are booleans, numbers or null: a string could carry text the template
+    would place in the prompt unchecked, where message text is kept from becoming control tokens."""
+
+    def to_internal_value(self, data):
+        values = super().to_internal_value(data)
+        if len(values) > MAX_TEMPLATE_KWARGS:
+            raise serializers.ValidationError(f"At most {MAX_TEMPLATE_KWARGS} chat template variables.")
+        for key, value in values.items():
+            if not key.isidentifier() or key in _TEMPLATE_OWN or key.endswith("_token"):
+                raise serializers.ValidationError(f"`{key}` cannot be set as a chat template variable.")
+            if value is not None and not isinstance(value, bool | int | float):
+                raise serializers.ValidationError(
+                    f"`{key}` must be a boolean, a number or null (chat template variables take no text)."
+                )
+        return values
+
 
 @extend_schema_serializer(component_name="CreateChatCompletion")
 class ChatCompletionInputSerializer(SamplingInputSerializer):
@@ -33,6 +66,7 @@ class ChatCompletionInputSerializer(SamplingInputSerializer):
     tools = ToolsField(required=False, allow_null=True)
     tool_choice = ToolChoiceField(required=False, allow_null=True)
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
+    chat_template_kwargs = ChatTemplateKwargsField(required=False, allow_null=True)
 
     def validate(self, attrs: dict) -> dict:
         attrs = super().validate(attrs)
@@ -73,6 +107,11 @@ class ChatMessageSerializer(serializers.Serializer):
     content = serializers.CharField(allow_null=True, allow_blank=True)
     refusal = serializers.CharField(allow_null=True)
     tool_calls = ToolCallSerializer(many=True, required=False)
+    reasoning_content = serializers.CharField(
+        allow_null=True,
+        required=False,
+        help_text="The model's thinking before its answer, where the model's deployment has a reasoning parser.",
+    )
 
 
 class ChatChoiceSerializer(serializers.Serializer):

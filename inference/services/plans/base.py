@@ -72,9 +72,17 @@ class GenerationPlan:
     tool_mode: str | None = None  # auto | required | named
     tool_name: str | None = None  # named: the function
     tool_parser: str = ""
+    # Chat: how a reasoning model's thinking is read apart from its answer (inference.reasoning);
+    # "": the answer is all content.
+    reasoning_parser: str = ""
     service_tier: str = "default"  # the tier it runs on: default, flex or priority
     max_queued: int | None = None  # the deployment's bound on requests waiting to start
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def parses_message(self) -> bool:
+        """A chat whose text is read into parts (reasoning, content, tool calls) as it streams."""
+        return self.tool_mode is not None or bool(self.reasoning_parser)
 
     @property
     def priority(self) -> int:

@@ -34,7 +34,11 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         param="messages",
     )
     prompt = tokenization.chat_prompt_ids(
-        deployment.model_path, data["messages"], tools=tools if choice != "none" else None, fits=fits
+        deployment.model_path,
+        data["messages"],
+        tools=tools if choice != "none" else None,
+        fits=fits,
+        template_kwargs=data.get("chat_template_kwargs"),
     )
     # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
     max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
@@ -62,6 +66,10 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         ),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        # A call forced by a grammar is JSON from its first token: nothing to think in.
+        reasoning_parser=deployment.reasoning_parser
+        if tool_fields.get("tool_mode") in (None, "auto")
+        else "",
         **tool_fields,
     )
 
