@@ -54,13 +54,17 @@ def deployment_register(
     max_model_len: int | None = None,
     dtype: str = ModelDeployment.Dtype.AUTO,
     engine_settings: dict[str, Any] | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> tuple[ModelDeployment, bool]:
     """Create the deployment `name`, or update it in place; returns (deployment, created).
 
     Running it twice with the same arguments leaves one unchanged row. max_model_len defaults to the
     checkpoint's context limit and is capped by it. Given engine settings are merged over the stored
     ones (a value of None removes the key), so options set in the admin survive a re-registration.
-    The enabled flag is left as the operator set it; a new deployment starts enabled.
+    The enabled flag is left as the operator set it; a new deployment starts enabled. The parsers,
+    when given ("" for none), replace the stored ones; when not, they stay (a new deployment takes
+    the defaults).
     """
     path = Path(model_path).expanduser().resolve()
     limit = model_context_limit(model_path=path)
@@ -85,6 +89,10 @@ def deployment_register(
     deployment.max_model_len = length
     deployment.dtype = dtype
     deployment.engine_settings = settings
+    if tool_call_parser is not None:
+        deployment.tool_call_parser = tool_call_parser
+    if reasoning_parser is not None:
+        deployment.reasoning_parser = reasoning_parser
     try:
         deployment.full_clean()
     except ValidationError as exc:

@@ -35,7 +35,10 @@ def test_register_creates_an_enabled_deployment_sized_from_config_json(tmp_path)
     assert (deployment.model_path, deployment.max_model_len, deployment.dtype) == (str(path), 4096, "auto")
     assert deployment.enabled is True
     assert deployment.engine_settings == {}
-    assert output == f"model demo created: {path} (max_model_len 4096, dtype auto, engine settings {{}})\n"
+    assert output == (
+        f"model demo created: {path} (max_model_len 4096, dtype auto, tool call parser hermes, "
+        "reasoning parser none, engine settings {})\n"
+    )
 
 
 def test_a_relative_path_is_stored_absolute(tmp_path, monkeypatch):
@@ -285,4 +288,37 @@ def test_an_architecture_the_engine_does_not_implement_is_refused_naming_the_ser
         refused.value
     )
     assert "Qwen3ForCausalLM)" in str(refused.value)
+    assert not ModelDeployment.objects.exists()
+
+
+def test_the_parsers_are_set_kept_when_not_given_and_turned_off_with_none(tmp_path):
+    path = model_dir(tmp_path / "m")
+    register(
+        "--name",
+        "qwen",
+        "--path",
+        str(path),
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "llama3_json",
+    )
+    deployment = ModelDeployment.objects.get(name="qwen")
+    assert (deployment.tool_call_parser, deployment.reasoning_parser) == ("llama3_json", "qwen3")
+
+    register("--name", "qwen", "--path", str(path))  # scripts/up.sh registers again on every start
+    deployment.refresh_from_db()
+    assert (deployment.tool_call_parser, deployment.reasoning_parser) == ("llama3_json", "qwen3")
+
+    register(
+        "--name", "qwen", "--path", str(path), "--reasoning-parser", "none", "--tool-call-parser", "none"
+    )
+    deployment.refresh_from_db()
+    assert (deployment.tool_call_parser, deployment.reasoning_parser) == ("", "")
+
+
+def test_an_unknown_parser_is_refused_naming_the_known_ones(tmp_path):
+    path = model_dir(tmp_path / "m")
+    with pytest.raises(CommandError, match="invalid choice: 'r1'.*qwen3.*deepseek_r1.*none"):
+        register("--name", "qwen", "--path", str(path), "--reasoning-parser", "r1")
     assert not ModelDeployment.objects.exists()

@@ -15,7 +15,9 @@ from django.core.management.base import BaseCommand, CommandError
 from core.errors import PlatformError
 from engine.rules import engine_settings_errors
 from inference.models import ModelDeployment
+from inference.reasoning import PARSERS as REASONING_PARSERS
 from inference.services import deployment_register
+from inference.tool_parsers import PARSERS as TOOL_PARSERS
 
 
 def engine_setting(text: str) -> tuple[str, Any]:
@@ -57,6 +59,19 @@ class Command(BaseCommand):
             metavar="KEY=VALUE",
             help="an engine option, repeatable (e.g. max_num_seqs=64); KEY=null removes a stored one",
         )
+        # Left as stored (or the default, for a new deployment) when not given; "none" turns off.
+        parser.add_argument(
+            "--tool-call-parser",
+            choices=[*TOOL_PARSERS, "none"],
+            default=None,
+            help="how tool calls are read from the output when tool_choice is auto",
+        )
+        parser.add_argument(
+            "--reasoning-parser",
+            choices=[*REASONING_PARSERS, "none"],
+            default=None,
+            help="how a reasoning model's thinking is read apart from its answer (reasoning_content)",
+        )
 
     def handle(self, *args, name: str, path: str, max_model_len: int | None, dtype: str, **options) -> None:
         try:
@@ -66,6 +81,8 @@ class Command(BaseCommand):
                 max_model_len=max_model_len,
                 dtype=dtype,
                 engine_settings=dict(options["engine_settings"]),
+                tool_call_parser=_parser_choice(options["tool_call_parser"]),
+                reasoning_parser=_parser_choice(options["reasoning_parser"]),
             )
         except PlatformError as exc:
             raise CommandError(exc.message) from exc
@@ -73,5 +90,11 @@ class Command(BaseCommand):
         self.stdout.write(
             f"model {deployment.name} {verb}: {deployment.model_path} "
             f"(max_model_len {deployment.max_model_len}, dtype {deployment.dtype}, "
+            f"tool call parser {deployment.tool_call_parser or 'none'}, "
+            f"reasoning parser {deployment.reasoning_parser or 'none'}, "
             f"engine settings {json.dumps(deployment.engine_settings, sort_keys=True)})"
         )
+
+
+def _parser_choice(value: str | None) -> str | None:
+    return "" if value == "none" else value
