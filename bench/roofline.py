@@ -112,8 +112,9 @@ class Steps:
         return statistics.median(times)
 
     def kv_bytes(self, tokens: int) -> int:
-        c = self.cfg
-        return tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.elem
+        from engine.model_runner import kv_cache_bytes_per_block
+
+        return tokens * kv_cache_bytes_per_block(self.model, block_size=1)
 
     def decode_flops(self, batch: int) -> float:
         return 2 * batch * (self.layer_params + self.head_params)
@@ -165,8 +166,10 @@ def main() -> None:
     log(f"{machine}: triad bandwidth {bandwidth / 1e9:.1f} GB/s")
 
     from engine.llm import LLM
+    from engine.models import load_model_config
 
     model_dir = real_model_dir()
+    cfg = load_model_config(model_dir)
     rows = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
@@ -176,7 +179,7 @@ def main() -> None:
         elem = torch.tensor([], dtype=dtype).element_size()
         max_seqs = max(batches)
         kv_tokens = max(max_seqs * (args.context + 1), sum(prompts)) + 64 * max_seqs
-        per_token = 30 * 2 * 3 * 64 * elem  # SmolLM2: 30 layers, 3 KV heads of 64; checked below
+        per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem  # K and V, every layer
         llm = LLM(
             str(model_dir),
             device=args.device,
@@ -187,7 +190,6 @@ def main() -> None:
             kv_cache_memory_bytes=kv_tokens * per_token,
         )
         steps = Steps(llm, device)
-        assert steps.kv_bytes(1) == per_token, "the KV size per token differs from SmolLM2's"
         for b in batches:
             seconds = steps.time([args.context + 1] * b, [1] * b, args.repeats)
             moved = steps.weight_bytes + steps.kv_bytes(b * (args.context + 1))

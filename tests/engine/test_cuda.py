@@ -41,19 +41,25 @@ def _release(*llms: LLM) -> None:
     torch.cuda.empty_cache()
 
 
+def _eager_engine(model_dir: Path, dtype: str) -> LLM:
+    """Without CUDA graphs, so that the Recorder sees every forward; a 48-token step budget chunks
+    the longer prompts and mixes them with decodes."""
+    return LLM(
+        str(model_dir),
+        device="cuda",
+        dtype=dtype,
+        num_blocks=128,
+        max_num_batched_tokens=48,
+        enforce_eager=True,
+    )
+
+
 @pytest.mark.parametrize("arch", ARCH_FIXTURES)
 def test_mixed_chunked_and_cached_steps_match_transformers_in_float32(
     arch: str, request: pytest.FixtureRequest
 ) -> None:
     model_dir = request.getfixturevalue(arch)
-    llm = LLM(
-        str(model_dir),
-        device="cuda",
-        dtype="float32",
-        num_blocks=128,
-        max_num_batched_tokens=48,
-        enforce_eager=True,
-    )
+    llm = _eager_engine(model_dir, "float32")
     model = llm.engine.runner.model
     assert model.backend.name == "triton"
     rec = Recorder(llm)
@@ -74,14 +80,7 @@ def test_mixed_chunked_and_cached_steps_match_transformers_in_float32(
 @pytest.mark.parametrize("arch", ARCH_FIXTURES)
 def test_bfloat16_on_cuda_matches_transformers_in_bfloat16(arch: str, request: pytest.FixtureRequest) -> None:
     model_dir = request.getfixturevalue(arch)
-    llm = LLM(
-        str(model_dir),
-        device="cuda",
-        dtype="bfloat16",
-        num_blocks=128,
-        max_num_batched_tokens=48,
-        enforce_eager=True,
-    )
+    llm = _eager_engine(model_dir, "bfloat16")
     rec = Recorder(llm)
     outs = llm.generate(_prompts([1, 7, 33, 90, 17], seed=6), _greedy(16))
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
