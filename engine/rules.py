@@ -107,20 +107,27 @@ def served_architecture(config: dict[str, Any]) -> str:
     return served
 
 
+def sliding_window_in_use(config: dict[str, Any]) -> Any:
+    """A config.json's sliding_window where the model uses it, else None: Qwen2 and Qwen3
+    checkpoints carry a window they use only with use_sliding_window."""
+    window = config.get("sliding_window")
+    archs = config.get("architectures") or []
+    opt_in = config.get("model_type") in ("qwen2", "qwen3") or any(
+        a in archs for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    )
+    return window if window is not None and (not opt_in or config.get("use_sliding_window")) else None
+
+
 def model_context_length(config: dict[str, Any]) -> int:
     """The longest context served for a checkpoint's config.json: max_position_embeddings, capped by
     a sliding window that is in use (a window at least as long as the context never slides, so
-    full attention stays exact). Qwen2 and Qwen3 checkpoints carry a window they use only with
-    use_sliding_window. Raises ValueError for a malformed or non-positive value."""
+    full attention stays exact; `sliding_window_in_use`). Raises ValueError for a malformed or
+    non-positive value."""
     try:
         limit = config.get("max_position_embeddings")
         limit = 2048 if limit is None else int(limit)
-        window = config.get("sliding_window")
-        archs = config.get("architectures") or []
-        qwen = config.get("model_type") in ("qwen2", "qwen3") or any(
-            a in archs for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-        )
-        if window is not None and (not qwen or config.get("use_sliding_window")):
+        window = sliding_window_in_use(config)
+        if window is not None:
             limit = min(limit, int(window))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed context length ({exc})") from exc

@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
-from engine.rules import SERVED_ARCHITECTURES, model_context_length, served_architecture
+from engine.rules import (
+    SERVED_ARCHITECTURES,
+    model_context_length,
+    served_architecture,
+    sliding_window_in_use,
+)
 
 # Architectures served by engine.models.llama; all share the Llama decoder layout.
 SUPPORTED_ARCHITECTURES = SERVED_ARCHITECTURES
@@ -141,9 +146,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     try:
         hidden, heads = _positive(raw, "hidden_size"), _positive(raw, "num_attention_heads")
         theta, scaling = _rope(raw)
-        window = raw.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-            window = None
+        window = sliding_window_in_use(raw)
         cfg = ModelConfig(
             architecture=arch,
             vocab_size=_positive(raw, "vocab_size"),
