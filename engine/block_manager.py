@@ -190,6 +190,18 @@ class BlockManager:
         seq.block_table = []
         self._num_registered.pop(seq.seq_id, None)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks of seq past those holding its first num_tokens positions (a rejected
+        draft's): never registered in the cache, they are recycled first."""
+        keep = self.num_blocks_for(num_tokens)
+        assert keep >= self._num_registered.get(seq.seq_id, 0)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.hash is None and block.ref_count == 1, block
+            block.ref_count = 0
+            self.free_block_queue[block.block_id] = None
+            self.free_block_queue.move_to_end(block.block_id, last=False)
+
     def compute_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         return compute_slot_mapping(seq.block_table, self.block_size, start, end)
 

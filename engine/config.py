@@ -139,6 +139,35 @@ class StructuredOutputConfig:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding by n-gram prompt lookup (engine.speculative): drafts copied from the
+    sequence's own prompt and output, verified in one forward of the model."""
+
+    # Tokens proposed (and verified) per step at most.
+    num_speculative_tokens: int = 4
+    # Shortest and longest suffix n-gram looked up in the sequence's earlier tokens.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # A sequence whose drafts are accepted less often than this (over its last
+    # `acceptance_window` drafted tokens) stops speculating for a while (engine.speculative).
+    min_acceptance: float = 0.3
+    acceptance_window: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ConfigError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if not 0.0 <= self.min_acceptance < 1.0:
+            raise ConfigError(f"min_acceptance must be in [0, 1), got {self.min_acceptance}")
+        if self.acceptance_window < 1:
+            raise ConfigError(f"acceptance_window must be >= 1, got {self.acceptance_window}")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: str  # path to a Hugging Face model directory
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype (float32 on CPU when it is float16)
@@ -157,6 +186,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig | None = None  # None: LoRA disabled
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

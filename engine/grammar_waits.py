@@ -76,7 +76,7 @@ class GrammarWaits:
                         engine.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
                     error = exc
             if error is None:
-                engine.grammars.bind(seqs, future.result())
+                engine.grammars.bind(seqs, job)
                 continue
             req.error = str(error)
             req.error_code = getattr(error, "code", None) or (

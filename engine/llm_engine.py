@@ -26,6 +26,7 @@ from engine.request_state import (
 )
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
 from engine.sequence import Sequence
+from engine.speculative import Speculator
 from engine.step_profile import StepProfile
 from engine.structured_output.manager import GrammarRequests
 from engine.warm_up import warm_up
@@ -46,12 +47,18 @@ class LLMEngine:
         if config.lora is not None:
             self.lora_manager = LoRAManager(config.lora, setup.model, self.model_config)
         lora_slots = self.lora_manager.slots if self.lora_manager is not None else None
-        self.scheduler = Scheduler(setup.scheduler_config, config.cache, setup.num_blocks, lora_slots)
         self.grammars = GrammarRequests(
             self.tokenizer,
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             config=config.structured_output,
+        )
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = Speculator(config.speculative, self.max_model_len)
+            self.speculator.grammar_prefix = self.grammars.draft_prefix
+        self.scheduler = Scheduler(
+            setup.scheduler_config, config.cache, setup.num_blocks, lora_slots, self.speculator
         )
         self.runner = ModelRunner(
             setup.model,
@@ -140,7 +147,9 @@ class LLMEngine:
             for seq_id, entries in result.prompt_logprobs.items():
                 self._completions[seq_id].seq.prompt_logprobs.extend(entries)
             for seq in self.scheduler.update_from_output(sched_out, result.sampled_token_ids):
-                self.output_processor.append(seq, result.logprobs.get(seq.seq_id))
+                self.output_processor.append(
+                    seq, result.sampled_token_ids[seq.seq_id], result.logprobs[seq.seq_id]
+                )
                 touched[seq.request_id] = None
             if profile is not None:
                 profile.mark("detokenize")
@@ -168,6 +177,8 @@ class LLMEngine:
             loras_loaded=self.lora_manager.loaded_names() if self.lora_manager is not None else [],
             num_resumed_requests=self.num_resumed_requests,
             num_resumed_tokens=self.num_resumed_tokens,
+            spec_num_draft_tokens=self.speculator.stats.num_draft_tokens if self.speculator else 0,
+            spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens if self.speculator else 0,
         )
 
     def get_stats(self) -> dict[str, int | float | list[str]]:
@@ -181,6 +192,8 @@ class LLMEngine:
         )
         if self.lora_manager is not None:
             stats.update(self.lora_manager.get_stats())
+        if self.speculator is not None:
+            stats.update(self.speculator.stats.as_dict())
         if self.device.type == "cuda":
             stats["gpu_memory_allocated"] = torch.cuda.memory_allocated(self.device)
         return stats

@@ -20,6 +20,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs, make_generator
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import accepted_tokens
 from engine.step_profile import StepProfile
 
 if TYPE_CHECKING:
@@ -27,9 +28,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Starts filling the token bitmask of a step's sampled sequences; returns its join (None: no
-# sequence is constrained).
-GrammarBitmask = Callable[[list[Sequence]], Callable[[], torch.Tensor | None] | None]
+# Starts filling the token bitmask of a step's sampled rows (a sequence, and the draft tokens its
+# grammar accepts before that row's position); returns its join (None: no row is constrained).
+GrammarBitmask = Callable[[list[Sequence], list[list[int]]], Callable[[], torch.Tensor | None] | None]
 
 
 @dataclass(slots=True)
@@ -38,6 +39,8 @@ class StepInputs:
     positions: torch.Tensor  # (num_tokens,)
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (num_sampled,) rows of the hidden states that sample
+    # The sequence of each sampled row, in row order: one row per sequence, or 1 + the draft's
+    # length consecutive rows for a sequence verifying a draft (row j after j draft tokens).
     sampled: list[ScheduledSequence]
     # Prompt logprobs: rows whose logits score the next prompt token, that token, and per sequence
     # (in row order) how many rows are its.
@@ -48,8 +51,9 @@ class StepInputs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled_token_ids: dict[int, int]  # seq_id -> token
-    logprobs: dict[int, TokenLogprobs | None]
+    # seq_id -> its new tokens: one, or with a draft the accepted ones and the token after them
+    sampled_token_ids: dict[int, list[int]]
+    logprobs: dict[int, list[TokenLogprobs | None]]  # seq_id -> one entry per new token
     # seq_id -> logprobs of the prompt tokens this step scored (in order), for requests asking
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -132,14 +136,16 @@ class ModelRunner:
                     prompt_targets.extend(seq.token_ids[first + 1 : last + 1])
                     prompt_spans.append((item, last - first))
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start : item.end_pos])
+            input_ids.extend(item.draft)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             if item.needs_sample:
-                logits_indices.append(len(input_ids) - 1)
-                sampled.append(item)
+                num_rows = 1 + len(item.draft)
+                logits_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
+                sampled.extend([item] * num_rows)
         width = max(-(-n // bs) for n in seq_lens)
         tables = torch.zeros((len(scheduled), width), dtype=torch.int32)
         for i, item in enumerate(scheduled):
@@ -253,10 +259,14 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         if profile is not None:
             profile.mark("prepare")
-        seqs = [item.seq for item in inputs.sampled]
+        rows = inputs.sampled
+        seqs = [item.seq for item in rows]
+        prefixes = _draft_prefixes(rows)
         # The grammar masks are filled in their own threads while the forward runs (both release
         # the GIL); joined before sampling, and before anything can release a matcher.
-        join_bitmask = self.grammar_bitmask(seqs) if self.grammar_bitmask is not None and seqs else None
+        join_bitmask = (
+            self.grammar_bitmask(seqs, prefixes) if self.grammar_bitmask is not None and seqs else None
+        )
         try:
             logits = self.execute(inputs)
         finally:
@@ -266,19 +276,31 @@ class ModelRunner:
                 torch.cuda.synchronize(logits.device)
             profile.mark("forward")
         prompt_logprobs = self._prompt_logprobs
-        if not inputs.sampled:
+        if not rows:
             return RunnerOutput({}, {}, prompt_logprobs)
         out = self.sampler.sample(
             logits,
             [s.sampling_params for s in seqs],
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
-            [self._generator(item) for item in inputs.sampled],
+            [self._generator(item) for item in rows],
             token_bitmask=bitmask,
             seqs=seqs,
         )
-        ids = {s.seq_id: t for s, t in zip(seqs, out.token_ids, strict=True)}
-        logprobs = {s.seq_id: lp for s, lp in zip(seqs, out.logprobs, strict=True)}
+        ids: dict[int, list[int]] = {}
+        logprobs: dict[int, list[TokenLogprobs | None]] = {}
+        i = 0
+        while i < len(rows):
+            item = rows[i]
+            n = 1 + len(item.draft)
+            tokens = (
+                accepted_tokens(item.draft, out.token_ids[i : i + n])
+                if item.draft
+                else out.token_ids[i : i + 1]
+            )
+            ids[item.seq.seq_id] = tokens
+            logprobs[item.seq.seq_id] = out.logprobs[i : i + len(tokens)]
+            i += n
         if profile is not None:
             profile.mark("sample")
         return RunnerOutput(ids, logprobs, prompt_logprobs)
@@ -286,6 +308,17 @@ class ModelRunner:
     def free(self, seq_id: int) -> None:
         """Forget per-sequence state (the seeded generator) once a sequence has finished."""
         self._generators.pop(seq_id, None)
+
+
+def _draft_prefixes(rows: list[ScheduledSequence]) -> list[list[int]]:
+    """Per sampled row, the draft tokens before its position ([] for a row without a draft)."""
+    prefixes: list[list[int]] = []
+    i = 0
+    while i < len(rows):
+        draft = rows[i].draft
+        prefixes.extend(draft[:j] for j in range(1 + len(draft)))
+        i += 1 + len(draft)
+    return prefixes
 
 
 class _DecodeGraphs:

@@ -25,10 +25,19 @@ class OutputProcessor:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    def append(self, seq: Sequence, logprobs: Any) -> None:
+    def append(self, seq: Sequence, tokens: list[int], logprobs: list[Any]) -> None:
+        """A step's new tokens of seq (already on it; several when a draft was accepted), each
+        through its grammar, detokenizer and stop checker. Tokens after one that ends the output
+        are taken back off the sequence."""
+        for i, token in enumerate(tokens):
+            self._append(seq, token, logprobs[i], seq.num_tokens - (len(tokens) - 1 - i))
+            if seq.is_finished:
+                seq.drop_last_outputs(len(tokens) - 1 - i)
+                return
+
+    def _append(self, seq: Sequence, token: int, logprobs: Any, num_tokens: int) -> None:
         e = self.engine
         c = e._completions[seq.seq_id]
-        token = seq.output_token_ids[-1]
         e.num_generated_tokens += 1
         accepted, terminated = e.grammars.accept(seq.seq_id, token)
         if not accepted:  # the bitmask allows only what the grammar accepts: an engine bug
@@ -37,7 +46,7 @@ class OutputProcessor:
             e.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, FinishReason.ERROR)
             self.finish(seq, FinishReason.ERROR, None)
             return
-        step = c.stream.append_token(token, max_model_len_reached=seq.num_tokens >= e.max_model_len)
+        step = c.stream.append_token(token, max_model_len_reached=num_tokens >= e.max_model_len)
         if terminated and step.finish_reason is None:
             # The grammar is complete and allows nothing more (its end token was not a stop, as
             # with ignore_eos): the output ends here.

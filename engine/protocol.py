@@ -266,6 +266,9 @@ class ReplicaStats:
     # streamed there (computed again here, less what the prefix cache held).
     num_resumed_requests: int = 0
     num_resumed_tokens: int = 0
+    # Speculative decoding since start: draft tokens verified, and those accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     # Shutting down: it finishes what runs but takes nothing new (not ready; still live).

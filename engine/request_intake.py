@@ -128,7 +128,7 @@ def add_request(
         engine._ended_at_add[request_id] = None  # reported by the next step
     if grammar is not None:
         if compiled:
-            engine.grammars.bind(seqs, grammar.future.result())
+            engine.grammars.bind(seqs, grammar)
             engine.grammars.manager.release(grammar)
         else:
             engine.grammars.waiting[request_id] = WaitingGrammar(

@@ -97,6 +97,8 @@ class EngineLoad:
     loras_loaded: list[str]
     num_resumed_requests: int = 0
     num_resumed_tokens: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 def check_request_fields(

@@ -17,6 +17,7 @@ aborts).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 
 from engine.admission import Admission, check_fits, check_num_seqs
 from engine.block_manager import BlockManager
@@ -30,6 +31,7 @@ from engine.request_ends import RequestEnds
 from engine.request_queue import WaitingQueue
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import Speculator
 
 # A sequence dropped unstarted (its queue deadline passed): its request ends with this error code.
 FINISH_QUEUE_TIMEOUT = ErrorCode.QUEUE_TIMEOUT
@@ -42,8 +44,11 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         lora_slots: LoRASlots | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = scheduler_config
+        # Drafts for decoding sequences (speculative decoding); None: one token per decode.
+        self.speculator = speculator
         # Device slots for adapters: a step never runs more distinct adapters than there are slots.
         self.lora_slots = lora_slots
         self.block_size = cache_config.block_size
@@ -142,8 +147,10 @@ class Scheduler:
             return budget
         return 0
 
-    def grant(self, scheduled: list[ScheduledSequence], seq: Sequence, num_new: int) -> None:
-        item = ScheduledSequence(seq, num_new)
+    def grant(
+        self, scheduled: list[ScheduledSequence], seq: Sequence, num_new: int, draft: list[int] | None = None
+    ) -> None:
+        item = ScheduledSequence(seq, num_new, draft or [])
         scheduled.append(item)
         # Prompt tokens are service when computed (a cache hit or a recompute of outputs is not);
         # charged now, so the order of the rest of this step already sees them.
@@ -183,6 +190,14 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            draft: list[int] = []
+            if uncomputed == 1 and self.speculator is not None and budget > 1:
+                # A draft rides along only where its slots are free: never a preemption for it.
+                draft = self.speculator.draft(seq, budget - 1)
+                if draft and bm.can_allocate(seq, 1 + len(draft)):
+                    num_new += len(draft)
+                else:
+                    draft = []
             while not bm.can_allocate(seq, num_new):
                 victim = order.pop()
                 self.preempt(victim)
@@ -191,7 +206,7 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, num_new)
-                self.grant(scheduled, seq, num_new)
+                self.grant(scheduled, seq, num_new, draft)
                 budget -= num_new
                 if uncomputed > 1:
                     prefill_budget -= num_new
@@ -222,9 +237,14 @@ class Scheduler:
         self.waiting.push(seq, resumed=True, first=True)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[int, int]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[int, list[int]]
     ) -> list[Sequence]:
-        """Advance the scheduled sequences past this step; return those that received a token."""
+        """Advance the scheduled sequences past this step; return those that received tokens (one,
+        or with a draft the accepted ones and the token sampled after them: engine.speculative).
+
+        A draft's rejected positions are rolled back: the computed length ends after the last
+        accepted token, and the blocks past the next token's are freed before any block is
+        registered in the prefix cache, so only accepted tokens' KV is ever shared."""
         bm = self.block_manager
         sampled: list[Sequence] = []
         for item in scheduler_output.scheduled:
@@ -234,12 +254,23 @@ class Scheduler:
             assert seq.num_computed_tokens == item.start_pos, (
                 "update_from_output must follow its own schedule()"
             )
-            seq.num_computed_tokens += item.num_new_tokens
-            bm.cache_full_blocks(seq)
-            if item.needs_sample:
-                seq.append_token(sampled_token_ids[seq.seq_id])
-                self.service.charge(seq.tenant, output_tokens=1)
+            tokens = sampled_token_ids[seq.seq_id] if item.needs_sample else []
+            num_accepted = max(0, len(tokens) - 1)
+            assert num_accepted <= len(item.draft)
+            seq.num_computed_tokens = item.end_pos + num_accepted
+            if item.draft:
+                bm.trim(seq, seq.num_computed_tokens + 1)
+                rejected = len(item.draft) - num_accepted
+                # Computed and thrown away: service (fair share) like prompt work, not output.
+                self.service.charge(seq.tenant, prompt_tokens=rejected)
+                assert self.speculator is not None
+                self.speculator.record(seq, len(item.draft), num_accepted)
+            if tokens:
+                for token in tokens:
+                    seq.append_token(token)
+                self.service.charge(seq.tenant, output_tokens=len(tokens))
                 sampled.append(seq)
+            bm.cache_full_blocks(seq)  # after the accepted drafts are the sequence's own tokens
             if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.release_siblings(seq.request_id)
         return sampled

@@ -97,6 +97,9 @@ class Sequence:
         # The sampler's bias and penalty state of this request (engine.sampling_state), shared with
         # its siblings and grown as it generates; built when it first samples.
         self.sampling_state: Any = None
+        # Its n-gram lookup buffer and draft acceptance (engine.speculative), when the engine
+        # speculates; built when it first decodes.
+        self.speculation: Any = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -158,3 +161,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self._token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def drop_last_outputs(self, n: int) -> None:
+        """Forget the last n outputs of a finished sequence: a step that yielded several tokens
+        (speculative decoding) whose output ended before the last of them."""
+        assert self.is_finished and 0 <= n <= self.num_output_tokens
+        if n:
+            del self._token_ids[-n:]
+            del self.output_token_ids[-n:]

@@ -26,6 +26,7 @@ from engine.config import (
     EngineConfig,
     LoRAConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputConfig,
 )
 from engine.worker.settings import WorkerSettings
@@ -107,6 +108,27 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="CPU ms one step's masks for one request may take (mask cost x n)",
     )
     grammar.add_argument("--grammar-cache-bytes", type=parse_size, default=bounds.cache_bytes)
+    spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup)")
+    spec_defaults = SpeculativeConfig()
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="draft tokens proposed from the sequence's own prompt and output and verified per step"
+        f" (0: off; {spec_defaults.num_speculative_tokens} is a good start)",
+    )
+    spec.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=spec_defaults.prompt_lookup_min,
+        help="shortest suffix n-gram looked up",
+    )
+    spec.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=spec_defaults.prompt_lookup_max,
+        help="longest suffix n-gram looked up",
+    )
     redis_opts = parser.add_argument_group("Redis")
     redis_opts.add_argument(
         "--redis-url",
@@ -172,6 +194,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_request_mask_ms=args.grammar_max_request_mask_ms,
             cache_bytes=args.grammar_cache_bytes,
         ),
+        speculative=speculative_config_from_args(args),
+    )
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.num_speculative_tokens < 0:
+        raise ConfigError(f"num_speculative_tokens must be >= 0, got {args.num_speculative_tokens}")
+    if args.num_speculative_tokens == 0:
+        return None
+    return SpeculativeConfig(
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
     )
 
 

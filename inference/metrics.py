@@ -134,6 +134,16 @@ class EngineCollector(Collector):
             ),
             "free": GaugeMetricFamily("pagoda_engine_free_kv_blocks", "Free KV blocks", labels=["model"]),
             "total": GaugeMetricFamily("pagoda_engine_total_kv_blocks", "KV blocks", labels=["model"]),
+            "drafted": GaugeMetricFamily(
+                "pagoda_engine_spec_draft_tokens",
+                "Speculative draft tokens verified since the live replicas started",
+                labels=["model"],
+            ),
+            "accepted": GaugeMetricFamily(
+                "pagoda_engine_spec_accepted_tokens",
+                "Speculative draft tokens accepted since the live replicas started",
+                labels=["model"],
+            ),
         }
 
     def collect(self):
@@ -153,6 +163,8 @@ class EngineCollector(Collector):
                 families["hit"].add_metric(name, sum(s.prefix_cache_hit_rate for s in stats) / count)
                 families["free"].add_metric(name, sum(s.num_free_blocks for s in stats))
                 families["total"].add_metric(name, sum(s.num_total_blocks for s in stats))
+                families["drafted"].add_metric(name, sum(s.spec_num_draft_tokens for s in stats))
+                families["accepted"].add_metric(name, sum(s.spec_num_accepted_tokens for s in stats))
         except Exception:  # a scrape must not fail because the database or Redis blinked
             logger.exception("could not collect engine gauges")
         yield from families.values()

@@ -118,23 +118,42 @@ class StructuredOutputManager:
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
 
-    def bitmask(self, matchers: Sequence[Any | None]) -> torch.Tensor | None:
+    def bitmask(
+        self, matchers: Sequence[Any | None], prefixes: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor | None:
         """(len(matchers), num_words) int32 of allowed tokens, all bits set for a None (a free
-        row); None when no row is constrained. One batched fill for every constrained row."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
+        row); None when no row is constrained. One batched fill for the constrained rows; a row
+        with a prefix (draft tokens before its position, speculative decoding) is filled after its
+        matcher accepts the prefix, which it then rolls back."""
+        constrained = [(i, m) for i, m in enumerate(matchers) if m is not None]
+        if not constrained:
             return None
         mask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
-        self._batch.batch_fill_next_token_bitmask([m for m in matchers if m is not None], mask, rows)
+        batch = [(i, m) for i, m in constrained if prefixes is None or not prefixes[i]]
+        if batch:
+            rows = [i for i, _ in batch]
+            self._batch.batch_fill_next_token_bitmask([m for _, m in batch], mask, rows)
+        if prefixes is not None:
+            for i, matcher in constrained:
+                prefix = prefixes[i]
+                if not prefix:
+                    continue
+                for token in prefix:
+                    accepted = matcher.accept_token(token)
+                    assert accepted, "a draft is cut to what its grammar accepts"
+                matcher.fill_next_token_bitmask(mask, i)
+                matcher.rollback(len(prefix))
         self.num_mask_fills += 1
         return mask
 
-    def start_bitmask(self, matchers: Sequence[Any | None]) -> Future | None:
+    def start_bitmask(
+        self, matchers: Sequence[Any | None], prefixes: Sequence[Sequence[int]] | None = None
+    ) -> Future | None:
         """`bitmask` in the mask thread (the caller runs the forward meanwhile); None when no row
         is constrained."""
         if all(m is None for m in matchers):
             return None
-        return self._filler.submit(self.bitmask, list(matchers))
+        return self._filler.submit(self.bitmask, list(matchers), prefixes)
 
     def shutdown(self) -> None:
         self.pool.shutdown()
@@ -165,6 +184,9 @@ class GrammarRequests:
         self._manager: StructuredOutputManager | None = None
         self.waiting: dict[str, WaitingGrammar] = {}  # request_id -> its grammar, still compiling
         self.matchers: dict[int, Any] = {}  # seq_id -> matcher
+        # seq_id -> draft tokens (speculative decoding) its grammar may check per step: each costs
+        # a mask, and one request's masks per step stay within max_request_mask_ms.
+        self.draft_room: dict[int, int] = {}
 
     @property
     def manager(self) -> StructuredOutputManager:
@@ -207,17 +229,35 @@ class GrammarRequests:
             raise
         return job
 
-    def bind(self, seqs: Sequence[Any], compiled: Any) -> None:
-        """A matcher per sequence, advanced through the outputs it already has (a request resumed
-        from a lost replica's stream)."""
+    def bind(self, seqs: Sequence[Any], job: CompileJob) -> None:
+        """A matcher per sequence of the job's compiled grammar, advanced through the outputs it
+        already has (a request resumed from a lost replica's stream)."""
+        compiled = job.future.result()
+        cost = job.mask_ms * len(seqs)
+        masks = int(self.config.max_request_mask_ms // cost) if cost > 0 else 1 << 30
         for seq in seqs:
             matcher = self.matchers[seq.seq_id] = self.manager.matcher(compiled)
+            self.draft_room[seq.seq_id] = max(0, masks - 1)
             for token in seq.output_token_ids:
                 if not matcher.accept_token(token):
                     logger.error(
                         "a resumed output token %d left its grammar (request %s)", token, seq.request_id
                     )
                     break
+
+    def draft_prefix(self, seq: Any, draft: list[int]) -> int:
+        """How many leading tokens of a draft the sequence's grammar accepts (all of them for a
+        free sequence), within its room for masks; the matcher is left as it was."""
+        matcher = self.matchers.get(seq.seq_id)
+        if matcher is None:
+            return len(draft)
+        room = min(len(draft), self.draft_room.get(seq.seq_id, 0))
+        n = 0
+        while n < room and not matcher.is_terminated() and matcher.accept_token(draft[n]):
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
 
     def done(self) -> list[str]:
         """Waiting requests whose grammar is compiled (or failed), in arrival order."""
@@ -246,12 +286,14 @@ class GrammarRequests:
             futures = [w.job.future for w in self.waiting.values()]
             wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def start_bitmask(self, seqs: Sequence[Any]) -> Callable[[], torch.Tensor | None] | None:
-        """Start filling the masks of a step's sampled sequences; returns the join (None when no
-        sequence is constrained)."""
+    def start_bitmask(
+        self, seqs: Sequence[Any], prefixes: Sequence[Sequence[int]] | None = None
+    ) -> Callable[[], torch.Tensor | None] | None:
+        """Start filling the masks of a step's sampled rows (each a sequence, after the draft
+        tokens of its prefix); returns the join (None when no row is constrained)."""
         if not self.matchers:
             return None
-        future = self.manager.start_bitmask([self.matchers.get(s.seq_id) for s in seqs])
+        future = self.manager.start_bitmask([self.matchers.get(s.seq_id) for s in seqs], prefixes)
         return None if future is None else future.result
 
     def accept(self, seq_id: int, token: int) -> tuple[bool, bool]:
@@ -263,3 +305,4 @@ class GrammarRequests:
 
     def release(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
+        self.draft_room.pop(seq_id, None)

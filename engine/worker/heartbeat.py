@@ -52,6 +52,8 @@ class Heartbeat:
             loras_loaded=list(load.loras_loaded),
             num_resumed_requests=load.num_resumed_requests,
             num_resumed_tokens=load.num_resumed_tokens,
+            spec_num_draft_tokens=load.spec_num_draft_tokens,
+            spec_num_accepted_tokens=load.spec_num_accepted_tokens,
             started_at=self.started_at,
             heartbeat_at=time.time(),
             draining=draining,

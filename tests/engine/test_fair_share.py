@@ -56,7 +56,9 @@ class Run:
                 self.admitted.append(seq)
             prompt = max(0, min(item.start_pos + item.num_new_tokens, seq.num_prompt_tokens) - item.start_pos)
             self.served[seq.tenant] += PROMPT_TOKEN_COST * prompt if seq.num_preemptions == 0 else 0
-        for seq in sched.update_from_output(out, {s.seq.seq_id: 7 for s in out.scheduled if s.needs_sample}):
+        for seq in sched.update_from_output(
+            out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample}
+        ):
             self.served[seq.tenant] += OUTPUT_TOKEN_COST
             if seq.num_output_tokens >= seq.max_tokens:
                 sched.finish(seq, SequenceStatus.FINISHED_LENGTH, "length")
@@ -190,7 +192,7 @@ def test_a_higher_tier_preempts_the_most_served_tenant_of_the_lowest_tier():
     # default tier's most-served tenant; each priority request runs in the step that made its room.
     out = sched.schedule()
     assert out.preempted == [flex] and urgent[0] in {s.seq for s in out.scheduled}
-    sched.update_from_output(out, {s.seq.seq_id: 7 for s in out.scheduled if s.needs_sample})
+    sched.update_from_output(out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample})
     out = sched.schedule()
     assert out.preempted == [busy] and urgent[1] in {s.seq for s in out.scheduled}
     assert quiet.status is SequenceStatus.RUNNING

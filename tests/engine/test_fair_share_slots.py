@@ -50,7 +50,7 @@ def _request(
 
 def _step(sched: Scheduler):
     out = sched.schedule()
-    for seq in sched.update_from_output(out, {s.seq.seq_id: 7 for s in out.scheduled if s.needs_sample}):
+    for seq in sched.update_from_output(out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample}):
         if seq.num_output_tokens >= seq.max_tokens:
             sched.finish(seq, SequenceStatus.FINISHED_LENGTH, "length")
     return out

@@ -112,7 +112,7 @@ def test_a_newcomer_waits_at_most_one_admission_per_tenant_already_waiting(
             before = len(admitted)
         out = sched.schedule()
         admitted += [s.seq for s in out.scheduled if s.start_pos == 0 and s.seq not in admitted]
-        sched.update_from_output(out, {s.seq.seq_id: 7 for s in out.scheduled if s.needs_sample})
+        sched.update_from_output(out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample})
         for seq in list(sched.running):
             if seq.num_output_tokens >= seq.max_tokens:
                 sched.finish(seq, SequenceStatus.FINISHED_LENGTH, "length")

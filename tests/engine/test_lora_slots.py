@@ -38,7 +38,7 @@ def run_step(sched: Scheduler) -> set[int]:
     for seq in sched.running:
         if seq.lora_id:
             assert sched.lora_slots.slot_of(seq.lora_id) is not None, "a running adapter lost its slot"
-    sampled = {item.seq.seq_id: 7 for item in out.scheduled if item.needs_sample}
+    sampled = {item.seq.seq_id: [7] for item in out.scheduled if item.needs_sample}
     for seq in sched.update_from_output(out, sampled):
         if seq.num_output_tokens >= seq.max_tokens:
             sched.finish(seq, SequenceStatus.FINISHED_LENGTH, "length")

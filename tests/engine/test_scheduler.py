@@ -51,7 +51,7 @@ def make_seq(request_id: str, tokens: list[int], max_tokens: int = 16, **kw) -> 
 
 def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Sequence]]:
     out = sched.schedule()
-    sampled = {s.seq.seq_id: token for s in out.scheduled if s.needs_sample}
+    sampled = {s.seq.seq_id: [token] for s in out.scheduled if s.needs_sample}
     return out, sched.update_from_output(out, sampled)
 
 
@@ -398,7 +398,7 @@ class Harness:
         if abort_between is not None:
             self.sched.abort(abort_between)
         needs = [s.seq for s in out.scheduled if s.needs_sample]
-        sampled = {seq.seq_id: tokens[i % len(tokens)] for i, seq in enumerate(needs)}
+        sampled = {seq.seq_id: [tokens[i % len(tokens)]] for i, seq in enumerate(needs)}
         got = self.sched.update_from_output(out, sampled)
         assert got == needs
         for seq in got:

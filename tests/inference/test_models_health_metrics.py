@@ -194,6 +194,8 @@ async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(
     assert f"pagoda_engine_prefix_cache_hit_rate{model} {stats.prefix_cache_hit_rate!r}" in text
     assert f"pagoda_engine_total_kv_blocks{model} {float(NUM_BLOCKS)}" in text
     assert f"pagoda_engine_free_kv_blocks{model} {float(stats.num_free_blocks)}" in text
+    assert f"pagoda_engine_spec_draft_tokens{model} {float(stats.spec_num_draft_tokens)}" in text
+    assert f"pagoda_engine_spec_accepted_tokens{model} {float(stats.spec_num_accepted_tokens)}" in text
     assert "request_id" not in text
 
 
