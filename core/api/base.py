@@ -103,6 +103,8 @@ class ApiView(View):
     auth: Any = None
     request_id: str = ""
     ratelimit_headers: dict[str, str]
+    # The renderer of this view's errors: OpenAI's shape, unless the view speaks another API's.
+    render_error: Callable[[Exception], HttpResponseBase] = staticmethod(error_response)
 
     async def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
         self.request_id = new_request_id()
@@ -112,7 +114,7 @@ class ApiView(View):
         except Exception as exc:  # noqa: BLE001 - rendered in the API's shape (an unknown one is logged)
             if isinstance(exc, PlatformError) and exc.status_code == 429:
                 self.ratelimit_headers = {}  # the error carries its own, fresher ones
-            response = error_response(exc)
+            response = self.render_error(exc)
         for name, value in self.ratelimit_headers.items():
             if not response.has_header(name):
                 response[name] = value
@@ -141,12 +143,18 @@ class ApiView(View):
         if request.method.lower() == "options":
             response = HttpResponse(status=204)
         else:
-            response = error_response(
+            response = self.render_error(
                 MethodNotAllowedError(f"Method {request.method} is not allowed on {request.path}.")
             )
         response["Allow"] = f"{allowed}, OPTIONS" if allowed else "OPTIONS"
         return response
 
+    def authorization(self, request: HttpRequest) -> str | None:
+        """The credentials sent: the Authorization header's value, else an `x-api-key` header's key
+        (as Anthropic's SDK sends it) as a Bearer token."""
+        key = request.headers.get("x-api-key")
+        return request.headers.get("Authorization") or (f"Bearer {key}" if key else None)
+
     async def authenticate(self, request: HttpRequest) -> Any:
         authenticate = _configured("API_AUTHENTICATE")
-        return await sync_to_async(authenticate)(authorization=request.headers.get("Authorization"))
+        return await sync_to_async(authenticate)(authorization=self.authorization(request))

@@ -130,13 +130,19 @@ def error_for_status(status: int) -> PlatformError:
     return error
 
 
-def error_response(exc: Exception) -> JsonResponse:
-    """`exc` in OpenAI's error shape, with its status and headers. Anything that is not a platform,
-    DRF or Django request error is a bug: logged, and answered as a 500 that reveals nothing."""
+def platform_error_of(exc: Exception) -> PlatformError:
+    """`exc` as a platform error. Anything that is not a platform, DRF or Django request error is
+    a bug: logged, and answered as a 500 that reveals nothing."""
     error = to_platform_error(exc)
     if error is None:
         logger.exception("unhandled error", exc_info=exc)
         error = PlatformError()
+    return error
+
+
+def error_response(exc: Exception) -> JsonResponse:
+    """`exc` in OpenAI's error shape, with its status and headers."""
+    error = platform_error_of(exc)
     response = JsonResponse(error.as_body(), status=error.status_code)
     for name, value in error.headers.items():
         response[name] = value

@@ -27,7 +27,7 @@ from inference.api.sse import sse_response
 from inference.services import GenerationPlan, collect_choices, generation_start
 
 
-def _read_timeout(request: HttpRequest) -> float | None:
+def read_timeout(request: HttpRequest) -> float | None:
     """The official SDKs send their timeout as x-stainless-read-timeout (seconds): a request still
     waiting to start after that long has a client that gave up on it. Unreadable: none."""
     try:
@@ -87,7 +87,7 @@ class GenerationApi(ApiView):
             request_id=self.request_id,
             started_at=started,
             request_counted=True,  # by the base view, before the body was read
-            client_timeout_s=_read_timeout(request),
+            client_timeout_s=read_timeout(request),
         )
         self.ratelimit_headers = generation.ratelimit_headers
         plan = generation.plan

@@ -3,6 +3,7 @@ entry, vLLM's prompt_logprobs, the fields of every streamed chunk, and the model
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from inference.services import ChoiceDelta, ChoiceFinished, GenerationPlan, GenerationUsage
@@ -62,6 +63,25 @@ def model_object(*, deployment, adapter=None, tenant_slug: str) -> dict[str, Any
         "created": int(adapter.created_at.timestamp()),
         "owned_by": tenant_slug,
         "parent": deployment.name,
+    }
+
+
+def anthropic_model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The models list in Anthropic's shape (one page: the list is never long)."""
+    data = [
+        {
+            "type": "model",
+            "id": m["id"],
+            "display_name": m["id"],
+            "created_at": datetime.fromtimestamp(m["created"], UTC).isoformat().replace("+00:00", "Z"),
+        }
+        for m in models
+    ]
+    return {
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
     }
 
 

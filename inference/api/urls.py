@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.urls import path
 
 from inference.api.adapters import AdapterDetailApi, AdapterListCreateApi
+from inference.api.anthropic.views import MessageCountTokensApi, MessageCreateApi
 from inference.api.chat_completions.views import ChatCompletionCreateApi
 from inference.api.completions.views import CompletionCreateApi
 from inference.api.views import ModelListApi, ModelRetrieveApi
@@ -13,6 +14,8 @@ urlpatterns = [
     path("models/<path:model>", ModelRetrieveApi.as_view(), name="v1-model-detail"),
     path("completions", CompletionCreateApi.as_view(), name="v1-completions"),
     path("chat/completions", ChatCompletionCreateApi.as_view(), name="v1-chat-completions"),
+    path("messages", MessageCreateApi.as_view(), name="v1-messages"),
+    path("messages/count_tokens", MessageCountTokensApi.as_view(), name="v1-messages-count-tokens"),
     path("adapters", AdapterListCreateApi.as_view(), name="v1-adapters"),
     path("adapters/<str:name>", AdapterDetailApi.as_view(), name="v1-adapter-detail"),
 ]

@@ -41,6 +41,8 @@ class ModelListApi(ApiView):
         data = [formatting.model_object(deployment=d, tenant_slug=slug) for d in deployments] + [
             formatting.model_object(deployment=a.base_model, adapter=a, tenant_slug=slug) for a in adapters
         ]
+        if request.headers.get("anthropic-version"):
+            return formatting.anthropic_model_list(data)  # the anthropic SDK's models.list()
         return {"object": "list", "data": data}
 
 

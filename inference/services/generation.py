@@ -97,6 +97,8 @@ class ChoiceDelta:
 class ChoiceFinished:
     index: int
     finish_reason: str  # stop | length
+    # What stopped it: the stop string or stop token id it met; None for EOS or a length.
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -371,7 +373,11 @@ class Generation:
                     finished[rid].add(int(out["index"]))
                     if plan.discard_output:
                         reason = "length"  # max_tokens 0 was reached before any token
-                    yield ChoiceFinished(index=offsets[rid] + int(out["index"]), finish_reason=reason)
+                    yield ChoiceFinished(
+                        index=offsets[rid] + int(out["index"]),
+                        finish_reason=reason,
+                        stop_reason=out.get("stop_reason"),
+                    )
                 if event.usage is not None:
                     self._engine_usage[rid] = event.usage
                 if event.usage is not None or len(finished[rid]) >= plan.n:
@@ -569,6 +575,7 @@ class CollectedChoice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # its prompt's, when asked for
 
 
@@ -589,4 +596,5 @@ async def collect_choices(
             choice.logprobs.extend(item.logprobs or [])
         elif isinstance(item, ChoiceFinished):
             choices[item.index].finish_reason = item.finish_reason
+            choices[item.index].stop_reason = item.stop_reason
     return choices

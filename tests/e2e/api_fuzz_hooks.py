@@ -24,8 +24,10 @@ MAX_MODEL_LEN = 128
 MAX_NEW_TOKENS = 4
 MAX_SEQUENCES = 2
 MIN_TIMEOUT_S = 30.0
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-MODEL_PATHS = (*GENERATION_PATHS, "/tokenize", "/detokenize")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+MODEL_PATHS = (*GENERATION_PATHS, "/v1/messages/count_tokens", "/tokenize", "/detokenize")
+# Anthropic's Messages API answers errors and streams in Anthropic's shapes.
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
@@ -57,12 +59,38 @@ def _stream_problem(text: str) -> str | None:
     return None
 
 
+def _anthropic_error_problem(body: Any) -> str | None:
+    """Why `body` is not {"type": "error", "error": {"type": str, "message": str}}."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not (isinstance(error, dict) and body.get("type") == "error" and set(body) == {"type", "error"}):
+        return "not an Anthropic error"
+    if not all(isinstance(error.get(name), str) and error[name] for name in ("type", "message")):
+        return "error.type or error.message is not a non-empty string"
+    return None
+
+
+def _anthropic_stream_problem(text: str) -> str | None:
+    """Why Anthropic's events are not message_start ... message_stop (or an error event last)."""
+    events = [block.split("\n", 1) for block in text.split("\n\n") if block.startswith("event: ")]
+    names = [head.removeprefix("event: ") for head, _ in events]
+    if not names or names[0] != "message_start" and names[0] != "error":
+        return f"the stream does not begin with message_start: {names[:3]}"
+    if names[-1] == "error":
+        body = json.loads(events[-1][1].removeprefix("data: "))
+        return _anthropic_error_problem(body)
+    if names[-1] != "message_stop":
+        return f"the stream does not end with message_stop: {names[-3:]}"
+    return None
+
+
 @schemathesis.check
 def openai_shaped_errors(ctx, response, case) -> bool | None:
-    """Every 4xx and 5xx answers an OpenAI error, and so does every error event of a stream."""
+    """Every 4xx and 5xx answers an OpenAI error, and so does every error event of a stream;
+    Anthropic's shapes on the Messages API."""
     content_type = response.headers.get("content-type", [""])[0]
+    anthropic = case.operation.path in ANTHROPIC_PATHS
     if response.status_code < 400 and content_type.startswith("text/event-stream"):
-        problem = _stream_problem(response.text)
+        problem = (_anthropic_stream_problem if anthropic else _stream_problem)(response.text)
         if problem:
             raise AssertionError(f"The event stream is malformed: {problem}")
         return True
@@ -74,7 +102,7 @@ def openai_shaped_errors(ctx, response, case) -> bool | None:
         raise AssertionError(
             f"The {response.status_code} answer is not JSON: {response.text[:300]!r}"
         ) from exc
-    problem = _error_problem(body)
+    problem = (_anthropic_error_problem if anthropic else _error_problem)(body)
     if problem:
         raise AssertionError(f"The {response.status_code} answer is {problem}: {body!r:.300}")
     return True
