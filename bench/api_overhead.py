@@ -75,7 +75,10 @@ async def messages_once(client: Any, model: str, text: str, max_tokens: int) -> 
     started = time.perf_counter()
     first, parts = None, []
     async with client.messages.stream(
-        model=model, max_tokens=max_tokens, temperature=0, messages=[{"role": "user", "content": text}]
+        model=model,
+        max_tokens=max_tokens,
+        messages=[{"role": "user", "content": text}],
+        extra_body={"temperature": 0},  # the current SDK has no temperature argument
     ) as stream:
         async for piece in stream.text_stream:
             if first is None:
