@@ -77,3 +77,35 @@ def test_serve_with_an_unsupported_architecture_names_it(tmp_path):
 
     assert result.returncode == 2
     assert result.stderr.startswith(f"error: {tmp_path}: architecture ['GPT2LMHeadModel'] is not supported")
+
+
+def test_speculation_is_off_unless_the_serve_options_ask_for_it():
+    from engine.config import SpeculativeConfig
+    from engine.serve import build_parser, engine_config_from_args
+
+    base = ["--model-dir", "/m", "--served-name", "m", "--redis-url", "redis://127.0.0.1:6379/0"]
+    assert engine_config_from_args(build_parser().parse_args(base)).speculative is None
+    args = build_parser().parse_args(
+        [*base, "--num-speculative-tokens", "5", "--prompt-lookup-min", "1", "--prompt-lookup-max", "4"]
+    )
+    assert engine_config_from_args(args).speculative == SpeculativeConfig(
+        num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=4
+    )
+
+
+def test_a_bad_speculation_setting_exits_with_a_clear_message(tmp_path):
+    result = engine_cli(
+        "serve",
+        "--model-dir",
+        str(tmp_path),
+        "--served-name",
+        "m",
+        "--redis-url",
+        "redis://127.0.0.1:6379/0",
+        "--num-speculative-tokens",
+        "4",
+        "--prompt-lookup-min",
+        "6",
+    )
+    assert result.returncode == 2
+    assert "prompt_lookup_min <= prompt_lookup_max" in result.stderr

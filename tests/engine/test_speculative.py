@@ -207,6 +207,31 @@ def test_blocks_cached_during_speculation_hold_only_accepted_tokens(tiny_llama_d
     assert fast.scheduler.block_manager.prefix_cache_stats()["hits"] > 0
 
 
+def test_speculation_under_preemption_keeps_the_outputs_and_the_pool(tiny_llama_dir: Path) -> None:
+    """Too few blocks for every sequence: drafts ride only where slots are free, sequences are
+    preempted and recomputed, and the outputs are still those of an engine that never speculated."""
+
+    def run(speculative: SpeculativeConfig | None) -> tuple[list[list[int]], int]:
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                cache=CacheConfig(num_blocks=14, block_size=4),
+                scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64),
+                speculative=speculative,
+            )
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        for i in range(6):
+            engine.add_request(f"r{i}", [7 + i, 8, 9, 7 + i, 8, 9, 7 + i], params)
+        out = _run_checked(engine)
+        return [out[f"r{i}"].outputs[0].token_ids for i in range(6)], engine.scheduler.num_preemptions
+
+    want, _ = run(None)
+    got, preemptions = run(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    assert got == want
+    assert preemptions > 0
+
+
 def test_a_sequence_whose_drafts_are_rejected_pauses_its_speculation(tiny_llama_dir: Path) -> None:
     """Sampled among three equally likely tokens, a draft copied from the earlier output is
     mostly rejected: after each window of poor acceptance the sequence pauses, longer each time."""
