@@ -241,3 +241,96 @@ def test_errors_are_anthropic_errors(api: Messages) -> None:
         )
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         api.client.post("/v1/messages", body={"model": MODEL, "messages": PARIS}, cast_to=httpx.Response)
+
+
+def _claude_code_body(stream: bool) -> dict:
+    """A request shaped as Claude Code sends it (public proxy logs record the shape): system text
+    blocks with cache_control, a user turn of a system-reminder block and the prompt, custom tools
+    with draft-07 schemas, metadata.user_id as a JSON string longer than 64 characters, and a
+    max_tokens of 32,000, far above this model's context."""
+    session = {
+        "device_id": "d" * 64,
+        "account_uuid": "",
+        "session_id": "5a0c6f0e-6d4c-4a55-9b8e-1f2a3b4c5d6e",
+    }
+    schema = "http://json-schema.org/draft-07/schema#"
+    return {
+        "model": MODEL,
+        "max_tokens": 32000,
+        "stream": stream,
+        "temperature": 1,
+        "system": [
+            {"type": "text", "text": "You are a coding assistant.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Use the tools to answer.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>No project notes.</system-reminder>"},
+                    {
+                        "type": "text",
+                        "text": "Read the file README.md.",
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                ],
+            }
+        ],
+        "tools": [
+            {
+                "name": "Read",
+                "description": "Reads a file from the local filesystem.",
+                "input_schema": {
+                    "$schema": schema,
+                    "type": "object",
+                    "properties": {"file_path": {"type": "string", "description": "The absolute path."}},
+                    "required": ["file_path"],
+                    "additionalProperties": False,
+                },
+            },
+            {
+                "name": "Bash",
+                "description": "Runs a shell command.",
+                "input_schema": {
+                    "$schema": schema,
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                    "additionalProperties": False,
+                },
+            },
+        ],
+        "metadata": {"user_id": json.dumps(session)},
+    }
+
+
+CLAUDE_CODE_HEADERS = {
+    "anthropic-version": "2023-06-01",
+    "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,fine-grained-tool-streaming-2025-05-14",
+    "x-app": "cli",
+    "user-agent": "claude-cli/2.1.0 (external, cli)",
+}
+
+
+def test_a_claude_code_request_is_answered_whole_and_streamed(api: Messages) -> None:
+    headers = {**CLAUDE_CODE_HEADERS, "x-api-key": api.raw_key}
+    whole = httpx.post(
+        api.stack.base_url + "/v1/messages", headers=headers, json=_claude_code_body(False), timeout=300
+    )
+    assert whole.status_code == 200, whole.text
+    body = whole.json()
+    assert body["stop_reason"] in ("end_turn", "tool_use", "max_tokens") and body["content"]
+    with httpx.stream(
+        "POST",
+        api.stack.base_url + "/v1/messages",
+        headers=headers,
+        json=_claude_code_body(True),
+        timeout=300,
+    ) as streamed:
+        assert streamed.status_code == 200
+        text = streamed.read().decode()
+    names = [block.split("\n", 1)[0].removeprefix("event: ") for block in text.split("\n\n") if block]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    delta = json.loads(text.split("event: message_delta\ndata: ", 1)[1].split("\n", 1)[0])
+    assert delta["delta"]["stop_reason"] in ("end_turn", "tool_use", "max_tokens")
+    assert delta["usage"]["output_tokens"] > 0

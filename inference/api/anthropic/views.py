@@ -56,11 +56,15 @@ class AnthropicApi(ApiView):
 def _chat_data(request: HttpRequest) -> dict[str, Any]:
     chat = translate.chat_body(json_body(request))
     try:
-        return generation_input(chat, ChatCompletionInputSerializer)
+        data = generation_input(chat, ChatCompletionInputSerializer)
     except InvalidRequestError as exc:
         if exc.param in _PARAMS:
             exc.param = _PARAMS[exc.param]
         raise
+    # Clients send a max_tokens sized for Anthropic's models (Claude Code: 32,000): a bound on the
+    # answer, cut to the context the prompt leaves, the answer then ending with max_tokens.
+    data["max_tokens_within_context"] = True
+    return data
 
 
 class MessageCreateApi(AnthropicApi):

@@ -27,9 +27,12 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
     )
     structured = tool_fields.pop("structured", None) or data.get("response_format")
     requested = data.get("max_completion_tokens") or data.get("max_tokens")
+    # A bound rather than a demand (Anthropic's max_tokens, which clients set far above a small
+    # model's context): cut to what the context leaves after the prompt.
+    within_context = bool(data.get("max_tokens_within_context"))
     fits = tokenization.PromptFit(
         max_model_len=deployment.max_model_len,
-        completion_tokens=requested or 1,
+        completion_tokens=1 if within_context else requested or 1,
         what="messages",
         param="messages",
     )
@@ -41,7 +44,8 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
         template_kwargs=data.get("chat_template_kwargs"),
     )
     # Without a limit a chat completion may use the rest of the context, as OpenAI's does.
-    max_tokens = requested or max(deployment.max_model_len - len(prompt), 1)
+    room = max(deployment.max_model_len - len(prompt), 1)
+    max_tokens = min(requested, room) if requested and within_context else requested or room
     fits.check_tokens(len(prompt), max_tokens)
     common = plan_common(auth=auth, data=data, target=target, request_id=request_id)
     n = common["n"]
