@@ -3,6 +3,7 @@ outputs on a real model, an unchanged sampling distribution, and the rollback of
 
 from __future__ import annotations
 
+import json
 from array import array
 from collections import Counter
 from pathlib import Path
@@ -205,6 +206,30 @@ def test_blocks_cached_during_speculation_hold_only_accepted_tokens(tiny_llama_d
     want_again = run(engine(None), "b")
     assert run(fast, "b") == want_again
     assert fast.scheduler.block_manager.prefix_cache_stats()["hits"] > 0
+
+
+def test_constrained_drafts_are_checked_and_masked_by_the_grammar(tiny_llama_dir: Path) -> None:
+    """A grammar whose output repeats itself: drafts copied from the earlier output are cut to
+    what the grammar accepts, each draft position is sampled under its own mask, and the output is
+    the one an engine without speculation gives (and stays in the grammar)."""
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 8, "maxItems": 8}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=80, structured_outputs={"json": schema, "disable_any_whitespace": True}
+    )
+
+    def run(speculative: SpeculativeConfig | None) -> tuple[str, LLMEngine]:
+        engine = LLMEngine(
+            EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(num_blocks=64), speculative=speculative)
+        )
+        engine.add_request("c", [5, 6, 7, 8], params)
+        return _run_checked(engine)["c"].outputs[0].text, engine
+
+    want, _ = run(None)
+    got, engine = run(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    assert got == want
+    assert len(json.loads(got)) == 8
+    stats = engine.get_stats()
+    assert stats["spec_num_accepted_tokens"] > 0
 
 
 def test_speculation_under_preemption_keeps_the_outputs_and_the_pool(tiny_llama_dir: Path) -> None:
