@@ -12,6 +12,8 @@ holds more (weighted) slots, within a token bucket on the computed work this thr
 whose queue deadline passes before any of it was computed is dropped (engine.request_ends, with
 aborts).
 `policy="fcfs"` orders within a tier by arrival alone (the baseline fair share is measured against).
+With speculative decoding (engine.speculative) a decoding sequence's step also carries its draft,
+where the budget and free blocks allow it, and update_from_output rolls back what was rejected.
 """
 
 from __future__ import annotations
