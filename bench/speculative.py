@@ -113,6 +113,17 @@ def chat_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     ]
 
 
+def chat_workloads(model_dir: Path, num_requests: int) -> dict[str, list[list[int]]]:
+    """Both workloads' prompts, rendered by the model's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return {
+        "grounded": chat_ids(tokenizer, grounded_prompts(num_requests)),
+        "open": chat_ids(tokenizer, open_prompts(num_requests)),
+    }
+
+
 def run_engine(
     engine: Any, prompts: list[list[int]], concurrency: int, max_tokens: int
 ) -> tuple[float, list]:
@@ -160,14 +171,8 @@ def pagoda_engines(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_pagoda(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     model_dir = real_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    workloads = {
-        "grounded": chat_ids(tokenizer, grounded_prompts(args.num_requests)),
-        "open": chat_ids(tokenizer, open_prompts(args.num_requests)),
-    }
+    workloads = chat_workloads(model_dir, args.num_requests)
     engines = pagoda_engines(model_dir, args)
     results: dict[str, Any] = {}
     for name, prompts in workloads.items():
@@ -241,14 +246,9 @@ def bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
     import subprocess
 
     from common import vllm_env
-    from transformers import AutoTokenizer
 
     model_dir = real_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    workloads = {
-        "grounded": chat_ids(tokenizer, grounded_prompts(args.num_requests)),
-        "open": chat_ids(tokenizer, open_prompts(args.num_requests)),
-    }
+    workloads = chat_workloads(model_dir, args.num_requests)
     sides = {}
     for speculative in (False, True):
         payload = {

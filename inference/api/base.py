@@ -37,7 +37,19 @@ def read_timeout(request: HttpRequest) -> float | None:
     return value if 0 < value < float("inf") else None
 
 
-class GenerationApi(ApiView):
+class CountedRefusalsApi(ApiView):
+    """A generation view of any wire format: a key refused before the body is read is counted
+    in the refusal metrics too."""
+
+    async def authenticate(self, request: HttpRequest) -> Any:
+        try:
+            return await super().authenticate(request)
+        except PlatformError as exc:
+            metrics.record_refused(tenant=None, model=None, code=exc.code)
+            raise
+
+
+class GenerationApi(CountedRefusalsApi):
     """A generation endpoint of one wire format, declared by its subclass: its parser
     (InputSerializer) into the one plan, its renderers of the one event stream (render_body for a
     whole body, Stream for chunks), and its OpenAPI description (operation_id, summary, the
@@ -63,13 +75,6 @@ class GenerationApi(ApiView):
             request=cls.InputSerializer,
             response=cls.OutputSerializer,
         )(post)
-
-    async def authenticate(self, request: HttpRequest) -> Any:
-        try:
-            return await super().authenticate(request)
-        except PlatformError as exc:
-            metrics.record_refused(tenant=None, model=None, code=exc.code)
-            raise
 
     async def post(self, request: HttpRequest) -> HttpResponse:
         started = time.perf_counter()

@@ -210,7 +210,7 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> tuple[Any
     kind = choice.get("type")
     parallel = False if choice.get("disable_parallel_tool_use") else None
     if kind in ("auto", "none"):
-        return (kind if tools or kind == "none" else "none"), parallel
+        return (kind if tools else "none"), parallel
     if kind == "any":
         return "required", parallel
     if kind == "tool":

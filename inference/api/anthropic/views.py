@@ -12,7 +12,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from drf_spectacular.utils import extend_schema
 
-from core.api.base import ApiView, json_body
+from core.api.base import json_body
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError
 from inference import metrics, tokenization
@@ -25,7 +25,7 @@ from inference.api.anthropic.schema import (
     MessageTokensCountSerializer,
     anthropic_errors,
 )
-from inference.api.base import generation_input, read_timeout
+from inference.api.base import CountedRefusalsApi, generation_input, read_timeout
 from inference.api.body_json import body_json
 from inference.api.chat_completions.schema import ChatCompletionInputSerializer
 from inference.services import collect_choices, generation_start, served_model_resolve
@@ -34,18 +34,11 @@ from inference.services import collect_choices, generation_start, served_model_r
 _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
-class AnthropicApi(ApiView):
+class AnthropicApi(CountedRefusalsApi):
     """A view of Anthropic's API: its error shape and its request-id header (every view takes the
     key as `x-api-key` too: core.api.base.ApiView.authorization)."""
 
     render_error = staticmethod(render.error_response)
-
-    async def authenticate(self, request: HttpRequest) -> Any:
-        try:
-            return await super().authenticate(request)
-        except PlatformError as exc:
-            metrics.record_refused(tenant=None, model=None, code=exc.code)
-            raise
 
     async def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
         response = await super().dispatch(request, *args, **kwargs)
