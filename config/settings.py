@@ -177,6 +177,8 @@ CELERY_BEAT_SCHEDULE: dict = {
     },
     # Adapters whose validation was never run (broker down at upload, worker lost mid-check).
     "inference-adapter-validate-lost": {"task": "inference.tasks.adapter_validate_lost", "schedule": 300.0},
+    # Stored responses past their expiry.
+    "inference-stored-responses-expire": {"task": "inference.tasks.stored_responses_expire", "schedule": 3600.0},
     # Requests whose web process died, and ledger rows that waited for the database.
     "inference-settlements-sweep": {
         "task": "inference.tasks.settlements_sweep",
@@ -305,6 +307,10 @@ ADAPTER_MAX_RANK = envint("PAGODA_ADAPTER_MAX_RANK", 64, minimum=1)
 ADAPTER_MAX_PER_TENANT = envint("PAGODA_ADAPTER_MAX_PER_TENANT", 50, minimum=1)
 # Bytes one tenant's adapters may take in all (their current versions).
 ADAPTER_STORAGE_PER_TENANT = envint("PAGODA_ADAPTER_STORAGE_PER_TENANT", 4 * 1024 * 1024 * 1024, minimum=1)
+# The Responses API's stored responses (`store`, the default): kept this many days, and at most this
+# many bytes per tenant (a `store: true` request past it is refused until some are deleted).
+RESPONSES_TTL_DAYS = envint("PAGODA_RESPONSES_TTL_DAYS", 30, minimum=1)
+RESPONSES_STORAGE_PER_TENANT = envint("PAGODA_RESPONSES_STORAGE_PER_TENANT", 1024 * 1024 * 1024, minimum=1)
 # Bearer token for GET /metrics and the detailed GET /ready (staff sessions need none). Empty: only
 # staff may read them; /ready anonymously says ready or not and nothing else.
 METRICS_TOKEN = envstr("PAGODA_METRICS_TOKEN", "") or ""

@@ -143,3 +143,37 @@ class LoraAdapter(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class StoredResponse(models.Model):
+    """A response of the Responses API kept for `GET /v1/responses/{id}` and for the next turn's
+    `previous_response_id` (`store`, true by default). In the database, so every web process
+    serves every stored response and a restart loses none.
+
+    A conversation is the chain of `previous_id` links; `root_id` and `depth` let one query fetch a
+    chain. `messages` holds this turn's input and output as chat messages (what the next turn's
+    prompt repeats; instructions are not carried over, as OpenAI's are not), `input_items` the input
+    as the client sent it (with ids), `body` the response object. `size_bytes` counts against the
+    tenant's bound (RESPONSES_STORAGE_PER_TENANT); rows past `expires_at` are gone for every
+    reader and deleted by a periodic task."""
+
+    id = models.CharField(primary_key=True, max_length=80)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="stored_responses")
+    # Not a foreign key: a deleted turn must leave its successors pointing at the gap.
+    previous_id = models.CharField(max_length=80, null=True, blank=True)
+    root_id = models.CharField(max_length=80, db_index=True)
+    depth = models.PositiveIntegerField(default=0)
+    model = models.CharField(max_length=200)
+    body = models.JSONField()
+    input_items = models.JSONField(default=list)
+    messages = models.JSONField(default=list)
+    size_bytes = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["tenant", "created_at"], name="stored_response_tenant_created")]
+
+    def __str__(self) -> str:
+        return self.id

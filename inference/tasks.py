@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from inference.services import adapters, settler
+from inference.services import adapters, settler, stored_responses
 
 
 @shared_task(name=adapters.VALIDATE_TASK)
@@ -25,3 +25,9 @@ def settlements_sweep() -> dict[str, int]:
     waited for the database (the web processes sweep too; one sweep runs at a time)."""
     counts = settler.settler_sweep()
     return {name: getattr(counts, name) for name in counts.__slots__}
+
+
+@shared_task(name="inference.tasks.stored_responses_expire")
+def stored_responses_expire() -> int:
+    """Periodic: delete the Responses API's stored responses past their expiry."""
+    return stored_responses.stored_responses_expire()

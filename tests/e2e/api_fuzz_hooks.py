@@ -24,11 +24,14 @@ MAX_MODEL_LEN = 128
 MAX_NEW_TOKENS = 4
 MAX_SEQUENCES = 2
 MIN_TIMEOUT_S = 30.0
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 MODEL_PATHS = (*GENERATION_PATHS, "/v1/messages/count_tokens", "/tokenize", "/detokenize")
 # Anthropic's Messages API answers errors and streams in Anthropic's shapes.
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+# The Responses API streams typed events (its errors, before a stream, are OpenAI's).
+RESPONSES_PATHS = ("/v1/responses",)
 ERROR_FIELDS = {"message", "type", "param", "code"}
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _error_problem(body: Any) -> str | None:
@@ -83,6 +86,24 @@ def _anthropic_stream_problem(text: str) -> str | None:
     return None
 
 
+def _responses_stream_problem(text: str) -> str | None:
+    """Why the Responses events are not response.created ... a terminal event, numbered from 0, each
+    naming its own type (an error event with its message before response.failed)."""
+    events = [block.split("\n", 1) for block in text.split("\n\n") if block.startswith("event: ")]
+    bodies = [json.loads(data.removeprefix("data: ")) for _, data in events]
+    names = [head.removeprefix("event: ") for head, _ in events]
+    if not names or names[0] != "response.created" or names[-1] not in RESPONSE_ENDS:
+        return f"the stream is not response.created ... a terminal event: {names[:2]} ... {names[-2:]}"
+    if [b.get("type") for b in bodies] != names:
+        return "an event's type is not its name"
+    if [b.get("sequence_number") for b in bodies] != list(range(len(bodies))):
+        return "the sequence numbers do not count from 0"
+    for body in bodies:
+        if body["type"] == "error" and not (isinstance(body.get("message"), str) and body["message"]):
+            return f"an error event has no message: {body!r:.300}"
+    return None
+
+
 @schemathesis.check
 def openai_shaped_errors(ctx, response, case) -> bool | None:
     """Every 4xx and 5xx answers an OpenAI error, and so does every error event of a stream;
@@ -90,7 +111,10 @@ def openai_shaped_errors(ctx, response, case) -> bool | None:
     content_type = response.headers.get("content-type", [""])[0]
     anthropic = case.operation.path in ANTHROPIC_PATHS
     if response.status_code < 400 and content_type.startswith("text/event-stream"):
-        problem = (_anthropic_stream_problem if anthropic else _stream_problem)(response.text)
+        if case.operation.path in RESPONSES_PATHS:
+            problem = _responses_stream_problem(response.text)
+        else:
+            problem = (_anthropic_stream_problem if anthropic else _stream_problem)(response.text)
         if problem:
             raise AssertionError(f"The event stream is malformed: {problem}")
         return True
@@ -115,11 +139,14 @@ def _cut(value: Any, bound: int, ceiling: int) -> Any:
     return bound if is_int and bound < value <= ceiling else value
 
 
-def bounded(body: dict[str, Any]) -> dict[str, Any]:
-    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+def bounded(body: dict[str, Any], path: str) -> dict[str, Any]:
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
         if field in body:
             body[field] = _cut(body[field], MAX_NEW_TOKENS, MAX_MODEL_LEN)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if path in RESPONSES_PATHS:
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_NEW_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_NEW_TOKENS
     for field in ("n", "best_of"):
         if field in body:
@@ -143,7 +170,7 @@ def flatmap_body(context: schemathesis.HookContext, body: Any) -> st.SearchStrat
         body["model"] = os.environ["PAGODA_FUZZ_MODEL"]
     if operation.path not in GENERATION_PATHS:
         return st.just(body)
-    body = bounded(body)
+    body = bounded(body, operation.path)
     if "stream" in body:
         return st.just(body)
     return st.sampled_from([body, {**body, "stream": True}])

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: translate (body in), render (answer out), views, schema."""
