@@ -1,16 +1,16 @@
 """The same greedy chat workload through each wire format of the full stack, streamed: OpenAI's chat
-completions (the baseline) and Anthropic's Messages API, with the official SDKs (AsyncOpenAI,
-AsyncAnthropic) against one stack (daphne, Redis, one engine replica of SmolLM2-135M-Instruct;
+completions (the baseline), OpenAI's Responses API (stored, its default) and Anthropic's Messages
+API, with the official SDKs (AsyncOpenAI, AsyncAnthropic) against one stack (daphne, Redis, one engine replica of SmolLM2-135M-Instruct;
 bench/_stack.py).
 
 Two phases, the APIs taking turns so that a slow spell of this shared machine falls on both:
 - load: --concurrency clients in a closed loop over --requests requests per API, per round
-  (--rounds rounds, the order of the APIs flipped each round): output tokens/s (median over the
+  (--rounds rounds, the order of the APIs rotated each round): output tokens/s (median over the
   rounds) and time to first token p50/p99;
-- low load: one request at a time, alternating API per request (--low-load-requests each): time to
+- low load: one request at a time, the APIs taking turns (--low-load-requests each): time to
   first token p50, the figure a format's own overhead shows in.
 
-Both APIs run the same prompts with temperature 0, so the outputs must be the same texts; the run
+All APIs run the same prompts with temperature 0, so the outputs must be the same texts; the run
 says whether they were. Prints progress on stderr and a final JSON line: each API's figures and
 the ratios against chat completions.
 
@@ -88,6 +88,23 @@ async def messages_once(client: Any, model: str, text: str, max_tokens: int) -> 
     return first or 0.0, "".join(parts), final.usage.output_tokens
 
 
+async def responses_once(client: Any, model: str, text: str, max_tokens: int) -> tuple[float, str, int]:
+    """The same for one streamed response (stored, as the SDK's default asks)."""
+    started = time.perf_counter()
+    first, parts, tokens = None, [], 0
+    stream = await client.responses.create(
+        model=model, input=text, temperature=0, max_output_tokens=max_tokens, stream=True
+    )
+    async for event in stream:
+        if event.type == "response.output_text.delta":
+            if first is None:
+                first = time.perf_counter() - started
+            parts.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            tokens = event.response.usage.output_tokens
+    return first or 0.0, "".join(parts), tokens
+
+
 async def load_phase(call, count: int, concurrency: int) -> dict[str, Any]:
     pending = list(range(count))
     results: dict[int, tuple[float, str, int]] = {}
@@ -121,22 +138,22 @@ async def run(args: argparse.Namespace, stack: Any) -> dict[str, Any]:
     )
     calls = {
         "chat_completions": lambda text: chat_once(chat_client, stack.model, text, args.max_tokens),
+        "responses": lambda text: responses_once(chat_client, stack.model, text, args.max_tokens),
         "messages": lambda text: messages_once(messages_client, stack.model, text, args.max_tokens),
     }
-    # Warm-up: the tokenizer, the chat template and the engine's first steps, for both.
+    names = list(calls)
+    # Warm-up: the tokenizer, the chat template and the engine's first steps, for each.
     for call in calls.values():
         await call(QUESTIONS[0])
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in calls}
     for r in range(args.rounds):
-        order = list(calls) if r % 2 == 0 else list(reversed(calls))
-        for name in order:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             result = await load_phase(calls[name], args.requests, args.concurrency)
             rounds[name].append(result)
             log(f"round {r + 1} {name}: {result['tokens'] / result['seconds']:.1f} tok/s")
     low: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(args.low_load_requests):
-        order = list(calls) if i % 2 == 0 else list(reversed(calls))
-        for name in order:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             ttft, _, _ = await calls[name](QUESTIONS[i % len(QUESTIONS)])
             low[name].append(ttft)
     figures: dict[str, Any] = {}
@@ -149,14 +166,19 @@ async def run(args: argparse.Namespace, stack: Any) -> dict[str, Any]:
             "low_load_ttft_p50_ms": round(1000 * percentile(low[name], 50), 1),
         }
     base = figures["chat_completions"]
-    other = figures["messages"]
+    ratios: dict[str, Any] = {}
+    for name in names[1:]:
+        other = figures[name]
+        ratios[f"{name}_throughput_ratio"] = round(other["output_tok_s"] / base["output_tok_s"], 3)
+        ratios[f"{name}_low_load_ttft_added_ms"] = round(
+            other["low_load_ttft_p50_ms"] - base["low_load_ttft_p50_ms"], 1
+        )
     return {
         **figures,
-        "messages_throughput_ratio": round(other["output_tok_s"] / base["output_tok_s"], 3),
-        "messages_low_load_ttft_added_ms": round(
-            other["low_load_ttft_p50_ms"] - base["low_load_ttft_p50_ms"], 1
+        **ratios,
+        "same_texts": all(
+            rounds[name][-1]["texts"] == rounds["chat_completions"][-1]["texts"] for name in names[1:]
         ),
-        "same_texts": rounds["messages"][-1]["texts"] == rounds["chat_completions"][-1]["texts"],
         "concurrency": args.concurrency,
         "requests_per_round": args.requests,
         "rounds": args.rounds,

@@ -178,7 +178,10 @@ CELERY_BEAT_SCHEDULE: dict = {
     # Adapters whose validation was never run (broker down at upload, worker lost mid-check).
     "inference-adapter-validate-lost": {"task": "inference.tasks.adapter_validate_lost", "schedule": 300.0},
     # Stored responses past their expiry.
-    "inference-stored-responses-expire": {"task": "inference.tasks.stored_responses_expire", "schedule": 3600.0},
+    "inference-stored-responses-expire": {
+        "task": "inference.tasks.stored_responses_expire",
+        "schedule": 3600.0,
+    },
     # Requests whose web process died, and ledger rows that waited for the database.
     "inference-settlements-sweep": {
         "task": "inference.tasks.settlements_sweep",

@@ -1,5 +1,6 @@
 """Admin for model deployments (with their live engine replicas read from the heartbeats) and
-tenants' LoRA adapters (uploaded here through the same service as the API and the dashboard)."""
+tenants' LoRA adapters (uploaded here through the same service as the API and the dashboard), and the
+Responses API's stored responses."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from django.utils.html import format_html, format_html_join
 
 from core.errors import InvalidRequestError
 from inference.forms import AdminAdapterUploadForm
-from inference.models import LoraAdapter, ModelDeployment
+from inference.models import LoraAdapter, ModelDeployment, StoredResponse
 from inference.selectors import deployment_list_enabled, deployment_replicas
 from inference.services.adapters import adapter_delete, adapter_revalidate, adapter_upload
 from inference.services.deployments import ModelDirectoryError, model_context_limit
@@ -191,3 +192,35 @@ class LoraAdapterAdmin(admin.ModelAdmin):
             adapter_revalidate(adapter=adapter)
             count += 1
         self.message_user(request, f"Validation scheduled for {count} adapter(s).", messages.SUCCESS)
+
+
+@admin.register(StoredResponse)
+class StoredResponseAdmin(admin.ModelAdmin):
+    """The Responses API's stored responses: read-only (they are written by the API), deletable."""
+
+    list_display = ("id", "tenant", "model", "depth", "size_bytes", "created_at", "expires_at")
+    list_filter = ("tenant", "model")
+    search_fields = ("id", "root_id", "tenant__slug")
+    list_select_related = ("tenant",)
+    date_hierarchy = "created_at"
+    readonly_fields = (
+        "id",
+        "tenant",
+        "model",
+        "previous_id",
+        "root_id",
+        "depth",
+        "size_bytes",
+        "created_at",
+        "expires_at",
+        "body",
+        "input_items",
+        "messages",
+    )
+    fields = readonly_fields
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False

@@ -84,13 +84,15 @@ class StreamReader:
                 stream = self._streams[key] = _Stream(request_id, last.encode())
                 registered = True
             streams.append(stream)
-        if registered:
-            await self._wake_or_start()
         if not any(s.entries for s in streams):
+            # The waiter is in place before the reader is woken: a read that fails at once (a
+            # stream of the wrong type) must find it, or its error would reach no one.
             waiter = asyncio.get_running_loop().create_future()
             for stream in streams:
                 stream.waiter = waiter
             try:
+                if registered:
+                    await self._wake_or_start()
                 await asyncio.wait([waiter], timeout=block_ms / 1000)
             finally:
                 for stream in streams:
@@ -98,6 +100,8 @@ class StreamReader:
                         stream.waiter = None
             if waiter.done() and isinstance(waiter.result(), BaseException):
                 raise waiter.result()
+        elif registered:
+            await self._wake_or_start()
         now = time.monotonic()
         out: list[tuple[str, Entry]] = []
         for stream in streams:

@@ -7,6 +7,7 @@ Codex-shaped request, and errors raised as the SDK's exception types."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ import pytest
 from pydantic import BaseModel
 
 from inference.models import StoredResponse
+from tenants.models import UsageRecord
 from tests.e2e.stack import ServingStack, real_model_world
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.real_model, pytest.mark.django_db]
 
@@ -88,6 +91,19 @@ def test_a_response_answers_as_the_chat_completion_does(api: Responses) -> None:
     assert reply.usage.input_tokens == chat.usage.prompt_tokens
     assert reply.usage.output_tokens == chat.usage.completion_tokens == 8
     assert reply.usage.total_tokens == reply.usage.input_tokens + reply.usage.output_tokens
+
+
+def test_a_response_is_billed_and_traced_as_a_chat_completion(api: Responses) -> None:
+    raw = api.client.responses.with_raw_response.create(
+        model=MODEL, input=PARIS, max_output_tokens=8, safety_identifier="user-7", service_tier="flex"
+    )
+    reply = raw.parse()
+    request_id = raw.headers["x-request-id"]
+    assert reply.id == f"resp_{request_id}" and reply.service_tier == "flex"
+    assert raw.headers["x-ratelimit-limit-requests"]
+    row = wait_until(lambda: UsageRecord.objects.filter(request_id=request_id).first(), timeout=60)
+    assert (row.prompt_tokens, row.completion_tokens) == (reply.usage.input_tokens, reply.usage.output_tokens)
+    assert (row.end_user, row.service_tier, row.model) == ("user-7", "flex", MODEL)
 
 
 def test_instructions_and_message_items_are_the_chat_messages(api: Responses) -> None:
@@ -465,11 +481,16 @@ def test_a_codex_request_is_answered_streamed_with_its_function_tools(api: Respo
             **body,
             "stream": False,
             "tool_choice": {"type": "function", "name": "shell"},
-            "max_output_tokens": 60,
+            "max_output_tokens": 120,
         },
         timeout=300,
     )
     assert forced.status_code == 200, forced.text
-    [call] = forced.json()["output"]
+    answer = forced.json()
+    [call] = answer["output"]
     assert call["type"] == "function_call" and call["name"] == "shell"
-    assert isinstance(json.loads(call["arguments"])["command"], list)
+    if answer["status"] == "completed":
+        assert isinstance(json.loads(call["arguments"])["command"], list)
+    else:  # cut by max_output_tokens inside the arguments, which the grammar held to the schema
+        assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert re.match(r'\{\s*"command"\s*:\s*\[', call["arguments"]), call["arguments"]

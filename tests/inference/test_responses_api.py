@@ -9,13 +9,17 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.test import Client, override_settings
 from django.utils import timezone
 
 from core.errors import InvalidRequestError, NotFoundError
+from inference.api.openai_responses.render import ResponseStream, assistant_message, whole_output
 from inference.api.openai_responses.translate import chat_messages, response_input
 from inference.models import StoredResponse
+from inference.services import ChoiceDelta, ChoiceFinished, GenerationPlan
 from inference.services import stored_responses as store
+from tests.helpers import logged_in
 from tests.inference.conftest import queued_requests
 
 WEATHER = {
@@ -386,3 +390,96 @@ def test_objects_where_names_belong_are_refused_not_crashed_on(body: dict) -> No
         response_input({"model": "m", **body})
     except InvalidRequestError as refused:
         assert refused.param
+
+
+# The renderer: a whole response and its stream give the same output items.
+
+
+def _reasoning_plan() -> GenerationPlan:
+    return GenerationPlan(
+        kind="chat",
+        request_id="r1",
+        model="m",
+        model_path="unused",
+        max_model_len=1 << 20,
+        prompts=[[1]],
+        n=1,
+        max_tokens=64,
+        sampling_params={},
+        reasoning_parser="qwen3",
+        tool_mode="auto",
+        tool_parser="hermes",
+    )
+
+
+THOUGHT_AND_CALL = (
+    "<think>The user wants the weather.</think>\n\nLet me check."
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_reasoning_text_and_calls_stream_into_the_items_of_the_whole_response(piece: int) -> None:
+    plan = _reasoning_plan()
+    whole, status = whole_output(plan, THOUGHT_AND_CALL, "stop")
+    assert status == "completed"
+    assert [item["type"] for item in whole] == ["reasoning", "message", "function_call"]
+    assert whole[0]["content"] == [{"type": "reasoning_text", "text": "The user wants the weather."}]
+    assert whole[1]["content"][0]["text"] == "Let me check."
+    assert whole[2]["name"] == "get_weather" and json.loads(whole[2]["arguments"]) == {"city": "Paris"}
+
+    stream = ResponseStream(plan)
+    events = []
+    for start in range(0, len(THOUGHT_AND_CALL), piece):
+        events += stream.feed(
+            ChoiceDelta(index=0, text=THOUGHT_AND_CALL[start : start + piece], token_ids=[])
+        )
+    events += stream.feed(ChoiceFinished(index=0, finish_reason="stop"))
+    events += stream.close()
+    # The items as streamed equal the whole ones, but for the call ids the parser makes up.
+    assert [{**item, "call_id": None} for item in stream.output] == [
+        {**item, "call_id": None} for item in whole
+    ]
+    names = [name for name, _ in events]
+    assert names.count("response.output_item.added") == names.count("response.output_item.done") == 3
+    added = [body["output_index"] for name, body in events if name == "response.output_item.added"]
+    assert added == [0, 1, 2]
+    reasoning = "".join(b["delta"] for n, b in events if n == "response.reasoning_text.delta")
+    text = "".join(b["delta"] for n, b in events if n == "response.output_text.delta")
+    arguments = "".join(b["delta"] for n, b in events if n == "response.function_call_arguments.delta")
+    assert (reasoning, text, json.loads(arguments)) == (
+        "The user wants the weather.",
+        "Let me check.",
+        {"city": "Paris"},
+    )
+    # Each item closes before the next opens.
+    assert names.index("response.output_item.done") < names.index("response.output_item.added", 1)
+
+
+def test_a_cut_answer_is_incomplete_and_the_next_turn_repeats_its_text_and_calls() -> None:
+    plan = _reasoning_plan()
+    output, status = whole_output(plan, "<think>Hmm", "length")
+    assert status == "incomplete" and [item["type"] for item in output] == ["reasoning"]
+    full, _ = whole_output(plan, THOUGHT_AND_CALL, "stop")
+    message = assistant_message(full)
+    assert (
+        message["content"] == "Let me check."
+        and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    )
+    assert "reasoning" not in json.dumps(message)
+
+
+@pytest.mark.django_db
+def test_operators_see_and_delete_stored_responses_in_the_admin(world) -> None:
+    _save(world.tenant_a, "resp_admin", messages=[{"role": "user", "content": "a question for the admin"}])
+    operator = get_user_model().objects.create_superuser(
+        "operator", "operator@example.com", "operator-pass-1"
+    )
+    client = logged_in(operator)
+    listed = client.get("/admin/inference/storedresponse/")
+    assert listed.status_code == 200 and "resp_admin" in listed.content.decode()
+    page = client.get("/admin/inference/storedresponse/resp_admin/change/")
+    assert page.status_code == 200 and "a question for the admin" in page.content.decode()
+    assert client.get("/admin/inference/storedresponse/add/").status_code == 403
+    client.post("/admin/inference/storedresponse/resp_admin/delete/", {"post": "yes"})
+    assert not StoredResponse.objects.filter(id="resp_admin").exists()

@@ -133,6 +133,27 @@ async def test_a_read_error_reaches_the_waiting_requests_and_reading_resumes(pre
     await async_wait_until(lambda: reader._task is None)
 
 
+async def test_a_read_that_fails_before_its_caller_waits_still_raises(prefix, monkeypatch):
+    """The shared read can fail while the request that registered the bad stream is still waking
+    the reader (a busy loop, a slow Redis answer): the error must still reach that request."""
+    reader = StreamReader(prefix)
+    _xadd(prefix, "good", "before")
+    positions = {"good": "0-0"}
+    await reader.read(positions, block_ms=5_000)
+    wake = reader._wake
+
+    async def wake_then_wait_for_the_failure() -> None:
+        await wake()
+        await async_wait_until(lambda: not reader._reading, what="the shared read to fail")
+
+    monkeypatch.setattr(reader, "_wake", wake_then_wait_for_the_failure)
+    get_redis().set(output_stream(prefix, "bad"), "not a stream")
+    started = time.monotonic()
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await reader.read({"bad": "0-0", **positions}, block_ms=20_000)
+    assert time.monotonic() - started < 15  # raised, not timed out
+
+
 async def test_each_event_loop_has_its_own_reader(prefix):
     reader = get_stream_reader(prefix)
     assert get_stream_reader(prefix) is reader

@@ -242,7 +242,9 @@ class ResponseInputItemsApi(ApiView):
         summary="List a stored response's input items",
         parameters=[
             OpenApiParameter(
-                "limit", {"type": "integer", "minimum": 1, "maximum": 100}, description="1 to 100 (default 20)."
+                "limit",
+                {"type": "integer", "minimum": 1, "maximum": 100},
+                description="1 to 100 (default 20).",
             ),
             OpenApiParameter("order", str, enum=["asc", "desc"], description="desc (default) or asc."),
             OpenApiParameter("after", str, description="An item id: the page starts after it."),
