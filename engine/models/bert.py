@@ -54,7 +54,7 @@ class Pooling:
             raise ValueError(f"pooling mode must be one of {POOLING_MODES}, got {self.mode!r}")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -108,6 +108,8 @@ def load_pooling(model_dir: str | Path) -> Pooling:
     if not modules_path.exists():
         return Pooling()
     modules = _read_json(modules_path)
+    if not isinstance(modules, list):
+        raise ModelLoadError(f"{modules_path}: not a list of modules")
     types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
     normalize = any(t.endswith(".Normalize") for t in types)
     mode = "mean"
