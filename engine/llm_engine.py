@@ -114,6 +114,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def running_request_ids(self) -> set[str]:
+        """Requests with a sequence in the running batch (read, never changed)."""
+        return {seq.request_id for seq in self.scheduler.running}
+
     # -- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -37,3 +37,6 @@ class RequestOutput:
     # The prompt's logprobs (None for its first token), in the first output once they are all
     # computed, when the request asked for them (SamplingParams.prompt_logprobs).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # An embedding request's vectors, one per input in order (engine.embedding_engine's wire form:
+    # base64 of float32), on its finished output.
+    embeddings: list[str] | None = None

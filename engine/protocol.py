@@ -113,6 +113,10 @@ def cancel_request_id(fields: dict) -> str | None:
     return value or None
 
 
+# What a replica does with a request: a deployment's task.
+TASKS = ("generate", "embed")
+
+
 @dataclass(slots=True)
 class LoRARef:
     name: str  # unique within the tenant; the engine keys its slots by (tenant, name, version)
@@ -133,6 +137,10 @@ class GenerateRequest:
     created_at: float = 0.0  # unix time the web tier queued it
     weight: float = 1.0  # the tenant's fair-share weight
     deadline: float | None = None  # unix time by which it must have started, else queue_timeout
+    # generate, or embed: `inputs` (token ids each) are embedded, prompt_token_ids and
+    # sampling_params unused; the finished event carries one embedding per input.
+    task: str = "generate"
+    inputs: list[list[int]] | None = None
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> dict[bytes | str, bytes | str]:
@@ -150,7 +158,24 @@ class GenerateRequest:
             raise ProtocolError(f"malformed generate request: {exc}") from exc
         if not request.request_id or not isinstance(request.prompt_token_ids, list):
             raise ProtocolError("generate request needs a request_id and prompt_token_ids")
+        if request.task not in TASKS:
+            raise ProtocolError(f"unknown task {request.task!r}")
+        if request.task == "embed" and not isinstance(request.inputs, list):
+            raise ProtocolError("an embed request needs its inputs")
         return request
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.task == "embed":
+            return sum(len(ids) for ids in self.inputs or [])
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        """Its outputs: an embed request's inputs, a generation's `n`."""
+        if self.task == "embed":
+            return len(self.inputs or [])
+        return int(self.sampling_params.get("n", 1)) if isinstance(self.sampling_params, dict) else 1
 
 
 @dataclass(slots=True)
@@ -167,6 +192,7 @@ class FinishedOutput:
     index: int
     finish_reason: str  # a FinishReason
     stop_reason: int | str | None = None
+    embedding: str | None = None  # an embed request's vector: base64 of little-endian float32
 
 
 @dataclass(slots=True)
@@ -206,7 +232,17 @@ class Event:
 
     @classmethod
     def finished(cls, outputs: list[FinishedOutput], usage: Usage) -> Event:
-        return cls(type="finished", outputs=[asdict(o) for o in outputs], usage=asdict(usage))
+        bodies = []
+        for o in outputs:
+            body: dict[str, Any] = {
+                "index": o.index,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            if o.embedding is not None:  # an embed request's; a generation's outputs stay as they were
+                body["embedding"] = o.embedding
+            bodies.append(body)
+        return cls(type="finished", outputs=bodies, usage=asdict(usage))
 
     @classmethod
     def error(cls, message: str, code: str, usage: Usage | None = None) -> Event:

@@ -6,24 +6,39 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from typing import Generic, Protocol, TypeVar
 
-from engine.sequence import Sequence
+
+class Queued(Protocol):
+    """What the queue orders by: a scheduler's Sequence, or an embedding engine's job."""
+
+    @property
+    def priority(self) -> int: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def seq_id(self) -> int: ...
 
 
-class _Level:
+Q = TypeVar("Q", bound=Queued)
+
+
+class _Level(Generic[Q]):
     __slots__ = ("num_resumed", "resumed", "tenants")
 
     def __init__(self) -> None:
         # Preempted sequences and released siblings: their request was already admitted once.
-        self.resumed: deque[Sequence] = deque()
+        self.resumed: deque[Q] = deque()
         # Tenants with new requests, in the order they started waiting; FIFO within a tenant.
-        self.tenants: OrderedDict[str, deque[Sequence]] = OrderedDict()
+        self.tenants: OrderedDict[str, deque[Q]] = OrderedDict()
         # Under fair share resumed sequences wait at the front of their own tenant's queue instead:
         # how many lead each tenant's queue.
         self.num_resumed: dict[str, int] = {}
 
 
-class WaitingQueue:
+class WaitingQueue(Generic[Q]):
     """Waiting sequences in admission order: by priority; within a priority, the head of the tenant
     that `choose` picks among those waiting (the least served under fair share, the earliest head
     under FCFS), FIFO within a tenant. Resumed sequences (preempted, or siblings released) go first:
@@ -32,11 +47,11 @@ class WaitingQueue:
 
     def __init__(
         self,
-        choose: Callable[[OrderedDict[str, deque[Sequence]]], str] | None = None,
+        choose: Callable[[OrderedDict[str, deque[Q]]], str] | None = None,
         *,
         resumed_by_tenant: bool = False,
     ) -> None:
-        self._levels: dict[int, _Level] = {}
+        self._levels: dict[int, _Level[Q]] = {}
         self._len = 0
         self._choose = choose or _earliest_head
         self._by_tenant = resumed_by_tenant
@@ -44,15 +59,15 @@ class WaitingQueue:
     def __len__(self) -> int:
         return self._len
 
-    def __iter__(self) -> Iterator[Sequence]:
+    def __iter__(self) -> Iterator[Q]:
         for p in sorted(self._levels):
             level = self._levels[p]
             yield from level.resumed
             for q in level.tenants.values():
                 yield from q
 
-    def push(self, seq: Sequence, *, resumed: bool = False, first: bool = False) -> None:
-        level = self._levels.setdefault(seq.priority, _Level())
+    def push(self, seq: Q, *, resumed: bool = False, first: bool = False) -> None:
+        level = self._levels.setdefault(seq.priority, _Level[Q]())
         self._len += 1
         if resumed and self._by_tenant:
             q = level.tenants.setdefault(seq.tenant, deque())
@@ -63,13 +78,13 @@ class WaitingQueue:
         q = level.resumed if resumed else level.tenants.setdefault(seq.tenant, deque())
         q.appendleft(seq) if first else q.append(seq)
 
-    def peek(self) -> Sequence | None:
+    def peek(self) -> Q | None:
         if not self._levels:
             return None
         level = self._levels[min(self._levels)]
         return level.resumed[0] if level.resumed else level.tenants[self._choose(level.tenants)][0]
 
-    def pop(self) -> Sequence:
+    def pop(self) -> Q:
         p = min(self._levels)
         level = self._levels[p]
         if level.resumed:
@@ -87,7 +102,7 @@ class WaitingQueue:
         self._len -= 1
         return seq
 
-    def remove(self, seq: Sequence) -> bool:
+    def remove(self, seq: Q) -> bool:
         level = self._levels.get(seq.priority)
         if level is None:
             return False
@@ -105,7 +120,7 @@ class WaitingQueue:
         return False
 
     @staticmethod
-    def _forget_resumed(level: _Level, tenant: str, position: int) -> None:
+    def _forget_resumed(level: _Level[Q], tenant: str, position: int) -> None:
         """The sequence at `position` of `tenant`'s queue leaves it: one resumed fewer if it was one."""
         ahead = level.num_resumed.get(tenant, 0)
         if position < ahead:
@@ -120,5 +135,5 @@ class WaitingQueue:
             del self._levels[priority]
 
 
-def _earliest_head(tenants: OrderedDict[str, deque[Sequence]]) -> str:
+def _earliest_head(tenants: OrderedDict[str, deque[Q]]) -> str:
     return min(tenants, key=lambda t: (tenants[t][0].arrival_time, tenants[t][0].seq_id))

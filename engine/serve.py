@@ -261,11 +261,15 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    from engine.embedding_engine import EmbeddingEngine
     from engine.errors import EngineError
     from engine.llm_engine import LLMEngine
+    from engine.models.bert import is_encoder
 
     try:
-        engine = LLMEngine.from_config(config)
+        # An encoder (BERT family) computes embeddings; every other model generates.
+        engine: LLMEngine | EmbeddingEngine
+        engine = (EmbeddingEngine if is_encoder(config.model) else LLMEngine).from_config(config)
     except (EngineError, ConfigError) as exc:  # a bad model directory or setting: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -66,7 +66,7 @@ class Drain:
         here. Checked on every iteration of a drain: a sequence preempted before its first token is
         unstarted again. The engine's view is read, never changed: its scheduler's running list."""
         w = self.worker
-        running = {seq.request_id for seq in w.engine.scheduler.running}
+        running = w.engine.running_request_ids()
         unstarted = [h for h in w.held.values() if not h.has_streamed and h.request_id not in running]
         if not unstarted:
             return

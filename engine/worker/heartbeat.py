@@ -16,6 +16,7 @@ from engine.worker.queue import CONNECTION_ERRORS, RequestQueue
 from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
+    from engine.embedding_engine import EmbeddingEngine
     from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("engine.worker")
@@ -25,7 +26,9 @@ STALL_LIMIT_S = 120.0
 
 
 class Heartbeat:
-    def __init__(self, engine: LLMEngine, queue: RequestQueue, settings: WorkerSettings) -> None:
+    def __init__(
+        self, engine: LLMEngine | EmbeddingEngine, queue: RequestQueue, settings: WorkerSettings
+    ) -> None:
         self.engine, self.queue, self.settings = engine, queue, settings
         self.started_at = time.time()
         self._last_stats: ReplicaStats | None = None

@@ -18,6 +18,7 @@ from engine.worker.outputs import HeldRequest
 from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
+    from engine.embedding_engine import EmbeddingEngine
     from engine.llm_engine import LLMEngine
     from engine.worker.loop import EngineWorker
 
@@ -85,9 +86,26 @@ def take_over(
     return Takeover(settled=False, resume=resume)
 
 
-def add_to_engine(engine: LLMEngine, request: GenerateRequest, resume: Resume | None = None) -> Event | None:
+def add_to_engine(
+    engine: LLMEngine | EmbeddingEngine, request: GenerateRequest, resume: Resume | None = None
+) -> Event | None:
     """Adds the request to the engine; an error event when the engine refuses it."""
     try:
+        if request.task == "embed":
+            add = getattr(engine, "add_embedding_request", None)
+            if add is None:
+                return Event.error(
+                    "this model generates text; it does not compute embeddings", ErrorCode.INVALID_REQUEST
+                )
+            add(
+                request.request_id,
+                request.inputs,
+                tenant=request.tenant,
+                priority=request.priority,
+                weight=request.weight,
+                deadline=request.deadline,
+            )
+            return None
         params = SamplingParams.from_dict(request.sampling_params)
         engine.add_request(
             request.request_id,
@@ -182,8 +200,8 @@ class Intake:
         held = HeldRequest(
             request_id=request.request_id,
             message_id=message_id,
-            n=int(request.sampling_params.get("n", 1)) if isinstance(request.sampling_params, dict) else 1,
-            num_prompt_tokens=len(request.prompt_token_ids),
+            n=request.num_outputs,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
         if resume is not None:
             held.completion_tokens = [len(tokens) for tokens in resume.outputs]

@@ -37,6 +37,7 @@ from engine.worker.queue import CONNECTION_ERRORS, RequestQueue
 from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
+    from engine.embedding_engine import EmbeddingEngine
     from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("engine.worker")
@@ -48,7 +49,9 @@ REDIS_RETRY_MAX_S = 2.0
 
 
 class EngineWorker:
-    def __init__(self, engine: LLMEngine, queue: RequestQueue, settings: WorkerSettings) -> None:
+    def __init__(
+        self, engine: LLMEngine | EmbeddingEngine, queue: RequestQueue, settings: WorkerSettings
+    ) -> None:
         self.engine = engine
         self.queue = queue
         self.settings = settings

@@ -104,6 +104,10 @@ def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
             held.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason=FinishReason.STOP)
             for i in range(held.n)
         ]
+        embeddings = getattr(output, "embeddings", None)
+        if embeddings is not None:
+            for finished, vector in zip(outputs, embeddings, strict=True):
+                finished.embedding = vector
         events.append(Event.finished(outputs, held.usage()))
     return events
 
