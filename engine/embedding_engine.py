@@ -30,9 +30,9 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import ErrorCode, FinishReason
 from engine.request_queue import WaitingQueue
 from engine.request_state import EngineLoad
+from engine.rules import MAX_EMBEDDING_INPUTS
 
-# Inputs one request may hold (OpenAI's bound on `input`).
-MAX_INPUTS = 2048
+MAX_INPUTS = MAX_EMBEDDING_INPUTS
 
 
 def encode_embedding(vector: torch.Tensor) -> str:

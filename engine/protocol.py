@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from engine.rules import TASKS
+
 PROTOCOL_VERSION = 1
 CONSUMER_GROUP = "engines"
 
@@ -111,10 +113,6 @@ def cancel_request_id(fields: dict) -> str | None:
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     return value or None
-
-
-# What a replica does with a request: a deployment's task.
-TASKS = ("generate", "embed")
 
 
 @dataclass(slots=True)

@@ -107,6 +107,25 @@ def served_architecture(config: dict[str, Any]) -> str:
     return served
 
 
+# Encoders (BERT family): an embedding deployment; every served decoder generates.
+ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
+TASKS = ("generate", "embed")
+# Inputs one embedding request may hold (OpenAI's bound on `input`).
+MAX_EMBEDDING_INPUTS = 2048
+
+
+def model_task(config: dict[str, Any]) -> str:
+    """What a checkpoint's config.json makes of a deployment: embed for a BERT-family encoder,
+    generate for a decoder the engine serves; ValueError for anything else."""
+    archs = config.get("architectures") or []
+    if config.get("model_type") == "bert" or (
+        isinstance(archs, list) and any(a in ENCODER_ARCHITECTURES for a in archs)
+    ):
+        return "embed"
+    served_architecture(config)
+    return "generate"
+
+
 def sliding_window_in_use(config: dict[str, Any]) -> Any:
     """A config.json's sliding_window where the model uses it, else None: Qwen2 and Qwen3
     checkpoints carry a window they use only with use_sliding_window."""

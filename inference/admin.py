@@ -20,7 +20,7 @@ from inference.forms import AdminAdapterUploadForm
 from inference.models import LoraAdapter, ModelDeployment, StoredResponse
 from inference.selectors import deployment_list_enabled, deployment_replicas
 from inference.services.adapters import adapter_delete, adapter_revalidate, adapter_upload
-from inference.services.deployments import ModelDirectoryError, model_context_limit
+from inference.services.deployments import ModelDirectoryError, model_facts
 
 
 def _replica_rows(name: str):
@@ -47,7 +47,8 @@ class ModelDeploymentForm(forms.ModelForm):
         if not (resolved / "config.json").is_file():
             raise forms.ValidationError("No config.json in that directory: it is not a model directory.")
         try:
-            model_context_limit(model_path=resolved)  # the architecture and context the engine serves
+            # The architecture the engine serves, its context and its task (an encoder embeds).
+            _, self.instance.task = model_facts(model_path=resolved)
         except ModelDirectoryError as exc:
             raise forms.ValidationError(str(exc)) from None
         return str(resolved)
@@ -56,13 +57,14 @@ class ModelDeploymentForm(forms.ModelForm):
 @admin.register(ModelDeployment)
 class ModelDeploymentAdmin(admin.ModelAdmin):
     form = ModelDeploymentForm
-    list_display = ("name", "enabled", "max_model_len", "dtype", "live_replicas", "updated_at")
-    list_filter = ("enabled", "dtype")
+    list_display = ("name", "task", "enabled", "max_model_len", "dtype", "live_replicas", "updated_at")
+    list_filter = ("enabled", "task", "dtype")
     search_fields = ("name", "model_path")
-    readonly_fields = ("replicas", "created_at", "updated_at")
+    readonly_fields = ("task", "replicas", "created_at", "updated_at")
     fields = (
         "name",
         "model_path",
+        "task",
         "max_model_len",
         "dtype",
         "tool_call_parser",

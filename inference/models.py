@@ -50,6 +50,13 @@ class ModelDeployment(models.Model):
         validators=[MinValueValidator(1)], help_text="Prompt plus completion tokens, at most."
     )
     dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+
+    class Task(models.TextChoices):
+        GENERATE = "generate", "Generate (chat, completions, responses, messages)"
+        EMBED = "embed", "Embed (/v1/embeddings)"
+
+    # Read from the model directory when the deployment is registered (an encoder embeds).
+    task = models.CharField(max_length=16, choices=Task.choices, default=Task.GENERATE, editable=False)
     engine_settings = models.JSONField(
         default=dict,
         blank=True,

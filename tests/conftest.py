@@ -177,8 +177,11 @@ def make_world(
     registered = None
     if model_dir is not None:
         model = model or f"tiny-{uuid.uuid4().hex[:8]}"
+        from engine.models.bert import is_encoder
+
+        task = ModelDeployment.Task.EMBED if is_encoder(model_dir) else ModelDeployment.Task.GENERATE
         registered = ModelDeployment.objects.create(
-            name=model, model_path=str(model_dir), **(deployment or {})
+            name=model, model_path=str(model_dir), task=task, **(deployment or {})
         )
     model = model or MODEL
     a = tenant_create(

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelLoadError, UnsupportedModelError
+from engine.rules import model_task
 
-ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining"})
 POOLING_MODES = ("mean", "cls", "last", "max")
 
 
@@ -66,10 +66,10 @@ def is_encoder(model_dir: str | Path) -> bool:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         return False
-    raw = _read_json(path)
-    return raw.get("model_type") == "bert" or bool(
-        set(raw.get("architectures") or ()) & ENCODER_ARCHITECTURES
-    )
+    try:
+        return model_task(_read_json(path)) == "embed"
+    except ValueError:
+        return False
 
 
 def load_encoder_config(model_dir: str | Path) -> EncoderConfig:

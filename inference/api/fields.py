@@ -102,15 +102,16 @@ class PromptField(serializers.Field):
     Internal value: a list of prompts, each a str or a list[int].
     """
 
+    max_items = MAX_COMPLETION_PROMPTS
+    noun = "prompt"
+
     def to_internal_value(self, data: Any) -> list[str | list[int]]:
         if isinstance(data, str):
             return [data]
-        if (
-            isinstance(data, list)
-            and len(data) > MAX_COMPLETION_PROMPTS
-            and not all(_is_int(t) for t in data)
-        ):
-            raise serializers.ValidationError(f"prompt takes at most {MAX_COMPLETION_PROMPTS} prompts.")
+        if isinstance(data, list) and len(data) > self.max_items and not all(_is_int(t) for t in data):
+            raise serializers.ValidationError(
+                f"{self.field_name} takes at most {self.max_items} {self.noun}s."
+            )
         if isinstance(data, list) and data:
             if all(isinstance(p, str) for p in data):
                 return list(data)
@@ -119,8 +120,8 @@ class PromptField(serializers.Field):
             if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in data):
                 return [list(p) for p in data]
         raise serializers.ValidationError(
-            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists,"
-            " and not empty."
+            f"{self.field_name} must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists, and not empty."
         )
 
     def to_representation(self, value: Any) -> Any:

@@ -6,6 +6,7 @@ from inference.api.adapters import AdapterDetailApi, AdapterListCreateApi
 from inference.api.anthropic.views import MessageCountTokensApi, MessageCreateApi
 from inference.api.chat_completions.views import ChatCompletionCreateApi
 from inference.api.completions.views import CompletionCreateApi
+from inference.api.embeddings.views import EmbeddingCreateApi
 from inference.api.openai_responses.views import ResponseCreateApi, ResponseDetailApi, ResponseInputItemsApi
 from inference.api.views import ModelListApi, ModelRetrieveApi
 
@@ -17,6 +18,7 @@ urlpatterns = [
     path("chat/completions", ChatCompletionCreateApi.as_view(), name="v1-chat-completions"),
     path("messages", MessageCreateApi.as_view(), name="v1-messages"),
     path("messages/count_tokens", MessageCountTokensApi.as_view(), name="v1-messages-count-tokens"),
+    path("embeddings", EmbeddingCreateApi.as_view(), name="v1-embeddings"),
     path("responses", ResponseCreateApi.as_view(), name="v1-responses"),
     path("responses/<str:response_id>", ResponseDetailApi.as_view(), name="v1-response-detail"),
     path(

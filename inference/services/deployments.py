@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from core.errors import InvalidRequestError
-from engine.rules import model_context_length, served_architecture
+from engine.rules import model_context_length, model_task
 from inference.models import ModelDeployment
 
 
@@ -20,10 +20,15 @@ class ModelDirectoryError(InvalidRequestError):
 
 
 def model_context_limit(*, model_path: Path) -> int:
-    """The longest context the engine will accept for this checkpoint, read from its config.json.
+    """The longest context the engine will accept for this checkpoint, read from its config.json
+    (which must be of an architecture the engine serves: `model_facts`)."""
+    return model_facts(model_path=model_path)[0]
 
-    The engine's own rule (engine.rules), so a deployment registered here never asks the engine for
-    more than it serves.
+
+def model_facts(*, model_path: Path) -> tuple[int, str]:
+    """(the longest context the engine will accept, the task: generate or embed) of a checkpoint,
+    read from its config.json by the engine's own rules (engine.rules), so a deployment registered
+    here never asks the engine for more than it serves.
     """
     if not model_path.is_dir():
         raise ModelDirectoryError(f"model directory {str(model_path)!r} does not exist")
@@ -40,8 +45,8 @@ def model_context_limit(*, model_path: Path) -> int:
     if not isinstance(raw, dict):
         raise ModelDirectoryError(f"{config_path} must hold a JSON object")
     try:
-        served_architecture(raw)  # an engine could not load anything else
-        return model_context_length(raw)
+        task = model_task(raw)  # an engine could not load anything else
+        return model_context_length(raw), task
     except ValueError as exc:
         raise ModelDirectoryError(f"{config_path}: {exc}") from exc
 
@@ -67,7 +72,7 @@ def deployment_register(
     the defaults).
     """
     path = Path(model_path).expanduser().resolve()
-    limit = model_context_limit(model_path=path)
+    limit, task = model_facts(model_path=path)
     if max_model_len is not None and max_model_len < 1:
         raise InvalidRequestError(f"max_model_len must be >= 1, got {max_model_len}", param="max_model_len")
     if dtype not in ModelDeployment.Dtype.values:
@@ -88,6 +93,7 @@ def deployment_register(
     deployment.model_path = str(path)
     deployment.max_model_len = length
     deployment.dtype = dtype
+    deployment.task = task
     deployment.engine_settings = settings
     if tool_call_parser is not None:
         deployment.tool_call_parser = tool_call_parser

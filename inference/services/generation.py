@@ -42,7 +42,12 @@ from inference.gateway import (
 )
 from inference.gateway.queue_bounds import queue_place_release, queue_place_take
 from inference.services.logprob_bounds import prompt_logprob_volume_check
-from inference.services.plans import GenerationPlan, chat_plan_create, completion_plan_create
+from inference.services.plans import (
+    GenerationPlan,
+    chat_plan_create,
+    completion_plan_create,
+    embedding_plan_create,
+)
 from inference.services.settler import OWNER_ID, owner_ensure_beating
 from tenants.services import admission_reserve, request_admit, settlement_close
 from tenants.types import AuthContext, LedgerEntry, Reservation, Settlement
@@ -99,6 +104,7 @@ class ChoiceFinished:
     finish_reason: str  # stop | length
     # What stopped it: the stop string or stop token id it met; None for EOS or a length.
     stop_reason: int | str | None = None
+    embedding: str | None = None  # an embedding's vector: base64 of little-endian float32
 
 
 @dataclass(slots=True)
@@ -307,7 +313,9 @@ class Generation:
                 GenerateRequest(
                     request_id=rid,
                     model=plan.model,
-                    prompt_token_ids=prompt,
+                    prompt_token_ids=prompt if plan.inputs is None else [],
+                    task="generate" if plan.inputs is None else "embed",
+                    inputs=plan.inputs,
                     sampling_params=dict(plan.sampling_params),
                     tenant=self.auth.tenant_slug,
                     # The prefix cache is shared within a tenant only; the body has no say in it.
@@ -377,6 +385,7 @@ class Generation:
                         index=offsets[rid] + int(out["index"]),
                         finish_reason=reason,
                         stop_reason=out.get("stop_reason"),
+                        embedding=out.get("embedding"),
                     )
                 if event.usage is not None:
                     self._engine_usage[rid] = event.usage
@@ -525,7 +534,11 @@ def _reserve_as_owner(**kwargs: Any) -> Reservation:
     return admission_reserve(**kwargs)
 
 
-_PLANNERS = {"chat": chat_plan_create, "completion": completion_plan_create}
+_PLANNERS = {
+    "chat": chat_plan_create,
+    "completion": completion_plan_create,
+    "embedding": embedding_plan_create,
+}
 
 
 async def generation_start(

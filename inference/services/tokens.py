@@ -29,7 +29,7 @@ def prompt_tokenize(
 ) -> Tokenized:
     """The token ids of a text prompt, or of a conversation rendered by the model's chat template
     ready for the assistant's turn (what /v1/chat/completions would queue)."""
-    deployment = served_model_resolve(auth=auth, model=model).deployment
+    deployment = served_model_resolve(auth=auth, model=model, task=None).deployment
     # Text that could not fit the context even in its most compact tokenization is refused unread.
     fits = tokenization.PromptFit(
         max_model_len=deployment.max_model_len,
@@ -50,7 +50,7 @@ def prompt_tokenize(
 
 
 def tokens_detokenize(*, auth: AuthContext, model: str, tokens: list[int]) -> str:
-    deployment = served_model_resolve(auth=auth, model=model).deployment
+    deployment = served_model_resolve(auth=auth, model=model, task=None).deployment
     if len(tokens) > deployment.max_model_len:
         raise InvalidRequestError(
             f"At most {deployment.max_model_len} token ids (the model's context length) are detokenized at "

@@ -25,7 +25,7 @@ MAX_NEW_TOKENS = 4
 MAX_SEQUENCES = 2
 MIN_TIMEOUT_S = 30.0
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
-MODEL_PATHS = (*GENERATION_PATHS, "/v1/messages/count_tokens", "/tokenize", "/detokenize")
+MODEL_PATHS = (*GENERATION_PATHS, "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
 # Anthropic's Messages API answers errors and streams in Anthropic's shapes.
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # The Responses API streams typed events (its errors, before a stream, are OpenAI's).

@@ -1,4 +1,4 @@
-"""A generation body's plan: one planner per wire format (chat, completion) into the one
+"""A generation body's plan: one planner per wire format (chat, completion, embedding) into the one
 GenerationPlan that the generation service runs."""
 
 from inference.services.plans.base import (
@@ -10,6 +10,7 @@ from inference.services.plans.base import (
 )
 from inference.services.plans.chat import chat_plan_create
 from inference.services.plans.completion import DEFAULT_COMPLETION_MAX_TOKENS, completion_plan_create
+from inference.services.plans.embedding import embedding_plan_create
 
 __all__ = [
     "DEFAULT_COMPLETION_MAX_TOKENS",
@@ -18,6 +19,7 @@ __all__ = [
     "ServedModel",
     "chat_plan_create",
     "completion_plan_create",
+    "embedding_plan_create",
     "served_model_resolve",
     "service_tier_resolve",
 ]

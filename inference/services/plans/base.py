@@ -45,7 +45,7 @@ _COPIED_FIELDS = tuple(
 
 @dataclass(slots=True)
 class GenerationPlan:
-    kind: str  # chat | completion
+    kind: str  # chat | completion | embedding
     request_id: str
     model: str  # the base deployment: its engines serve the request, admission counts against it
     model_path: str
@@ -78,6 +78,9 @@ class GenerationPlan:
     service_tier: str = "default"  # the tier it runs on: default, flex or priority
     max_queued: int | None = None  # the deployment's bound on requests waiting to start
     created: int = field(default_factory=lambda: int(time.time()))
+    # An embedding: its inputs (token ids each) go to the engine as one embed request (`prompts`
+    # holds them joined, for admission and the ledger; `n` is their count: one output each).
+    inputs: list[list[int]] | None = None
 
     @property
     def parses_message(self) -> bool:
@@ -129,8 +132,10 @@ class ServedModel:
         return fields
 
 
-def served_model_resolve(*, auth: AuthContext, model: str) -> ServedModel:
-    """A base model the caller may use, or the name of one of the caller's own ready adapters.
+def served_model_resolve(*, auth: AuthContext, model: str, task: str | None = "generate") -> ServedModel:
+    """A base model the caller may use, or the name of one of the caller's own ready adapters;
+    with `task`, one whose deployment does that (a chat with an embedding model, or the reverse, is
+    a 400 saying which endpoint serves it).
 
     Adapter names are looked up in the caller's tenant only: another tenant's adapter is
     model_not_found exactly as a name that does not exist. A base model wins over an adapter of
@@ -139,11 +144,22 @@ def served_model_resolve(*, auth: AuthContext, model: str) -> ServedModel:
         deployment = deployment_get_enabled(name=model)
         if deployment is None:
             raise model_not_found(model)
+        _task_check(deployment, task)
         return ServedModel(deployment)
     adapter = adapter_get_servable(auth=auth, name=model)
     if adapter is None:
         raise model_not_found(model)
     return ServedModel(adapter.base_model, adapter)
+
+
+def _task_check(deployment: ModelDeployment, task: str | None) -> None:
+    if task is None or deployment.task == task:
+        return
+    if deployment.task == ModelDeployment.Task.EMBED:
+        message = f"The model `{deployment.name}` computes embeddings; call /v1/embeddings with it."
+    else:
+        message = f"The model `{deployment.name}` generates text; it does not compute embeddings."
+    raise InvalidRequestError(message, param="model", code="model_task_mismatch")
 
 
 def check_n(*, deployment, n: int) -> None:

@@ -1,0 +1,1 @@
+"""POST /v1/embeddings: OpenAI's shape, over an embedding deployment's engines."""
