@@ -94,6 +94,12 @@ def _base_deployment(*, base_model: str, allowed_models: Collection[str] | None)
             param="base_model",
             code="model_not_found",
         )
+    if deployment.task != ModelDeployment.Task.GENERATE:
+        raise InvalidRequestError(
+            f"The base model `{base_model}` computes embeddings: LoRA adapters apply to generation models.",
+            param="base_model",
+            code="model_task_mismatch",
+        )
     return deployment
 
 

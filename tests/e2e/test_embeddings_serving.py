@@ -1,7 +1,8 @@
 """/v1/embeddings through the whole stack (daphne, Redis, an embedding replica of all-MiniLM-L6-v2)
-with the official openai SDK: the vectors sentence-transformers computes, floats and base64,
-`dimensions`, token-id inputs, the context bound and vLLM's truncate_prompt_tokens, the ledger, a
-chat request to the embedding model refused, and a retrieval sanity check."""
+with the official openai SDK and LangChain's OpenAIEmbeddings: the vectors sentence-transformers
+computes, floats and base64, `dimensions`, token-id inputs, the context bound and vLLM's
+truncate_prompt_tokens, the ledger, a chat request to the embedding model refused, and a retrieval
+sanity check."""
 
 from __future__ import annotations
 
@@ -138,6 +139,24 @@ def test_an_embedding_is_billed_and_a_chat_with_the_embedding_model_is_refused(a
         api.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert refused.value.code == "model_task_mismatch"
     assert MODEL in [m.id for m in api.client.models.list().data]
+
+
+def test_langchains_openai_embeddings_works_against_the_endpoint(api: Embeddings) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    client = OpenAIEmbeddings(
+        model=MODEL,
+        base_url=api.stack.base_url + "/v1",
+        api_key=api.raw_key,
+        check_embedding_ctx_length=False,  # its token counting is tiktoken's, for OpenAI's models
+        max_retries=0,
+    )
+    documents = client.embed_documents(TEXTS[:3])
+    query = client.embed_query(TEXTS[0])
+    assert [len(d) for d in documents] == [384, 384, 384]
+    assert np.allclose(query, documents[0], atol=1e-6)
+    direct = api.client.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float")
+    assert np.allclose(documents[1], direct.data[0].embedding, atol=1e-6)
 
 
 def test_the_nearest_passage_to_a_question_is_its_answer(api: Embeddings) -> None:

@@ -64,3 +64,15 @@ def test_an_encoder_directory_registers_as_an_embedding_deployment(minilm_dir, s
     assert model_task({"architectures": ["LlamaForCausalLM"]}) == "generate"
     with pytest.raises(ValueError, match="not supported"):
         model_task({"architectures": ["T5ForConditionalGeneration"]})
+
+
+@pytest.mark.real_model
+def test_adapters_are_for_generation_models(world, minilm_dir) -> None:
+    from core.errors import InvalidRequestError
+    from inference.services.adapters import _base_deployment
+
+    deployment_register(name="minilm-base", model_path=minilm_dir)
+    with pytest.raises(InvalidRequestError, match="LoRA adapters apply to generation models") as refused:
+        _base_deployment(base_model="minilm-base", allowed_models=None)
+    assert refused.value.code == "model_task_mismatch"
+    assert _base_deployment(base_model=world.model, allowed_models=None).name == world.model

@@ -46,7 +46,7 @@ def client(world) -> Client:
         ("delete", "/v1/files/file-123"),
         ("get", "/v1/usage/"),  # a trailing slash is another route, answered in place (no redirect)
         ("post", "/v1/chat/completions/"),
-        ("get", "/v1/embeddings"),
+        ("post", "/v1/audio/speech"),
     ],
 )
 def test_unknown_routes_are_404_in_openai_shape(client, method, path):

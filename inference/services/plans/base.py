@@ -149,6 +149,7 @@ def served_model_resolve(*, auth: AuthContext, model: str, task: str | None = "g
     adapter = adapter_get_servable(auth=auth, name=model)
     if adapter is None:
         raise model_not_found(model)
+    _task_check(adapter.base_model, task)
     return ServedModel(adapter.base_model, adapter)
 
 
