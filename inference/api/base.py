@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar, cast
 
 from django.http import HttpRequest, HttpResponse
 from drf_spectacular.utils import extend_schema
@@ -24,7 +24,9 @@ from inference.api.fields import refuse_unsupported
 from inference.api.formatting import ChunkStream
 from inference.api.responses import EVENT_STREAM
 from inference.api.sse import sse_response
-from inference.services import GenerationPlan, collect_choices, generation_start
+from inference.services import Generation, GenerationPlan, collect_choices, generation_start
+
+T = TypeVar("T")
 
 
 def read_timeout(request: HttpRequest) -> float | None:
@@ -47,6 +49,37 @@ class CountedRefusalsApi(ApiView):
         except PlatformError as exc:
             metrics.record_refused(tenant=None, model=None, code=exc.code)
             raise
+
+    async def start_generation(
+        self,
+        request: HttpRequest,
+        *,
+        kind: str,
+        read: Callable[[HttpRequest], T],
+        data_of: Callable[[T], dict[str, Any]] | None = None,
+    ) -> tuple[Generation, AsyncIterator, T]:
+        """The request's body read by `read` (in a thread of the pool: a body of megabytes takes
+        the parser and the serializers a while, and every stream of this process waits while the
+        event loop does anything; a refusal counted), its validated data (`data_of` what `read`
+        returned, or that itself) planned as `kind`, admitted and queued by the one generation
+        service; its x-ratelimit-* headers kept for the answer. Returns what `read` returned too."""
+        started = time.perf_counter()
+        try:
+            parsed = await blocking(read)(request)
+        except PlatformError as exc:
+            metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
+            raise
+        generation, events = await generation_start(
+            auth=self.auth,
+            kind=kind,
+            data=data_of(parsed) if data_of is not None else cast(dict[str, Any], parsed),
+            request_id=self.request_id,
+            started_at=started,
+            request_counted=True,  # by the base view, before the body was read
+            client_timeout_s=read_timeout(request),
+        )
+        self.ratelimit_headers = generation.ratelimit_headers
+        return generation, events, parsed
 
 
 class GenerationApi(CountedRefusalsApi):
@@ -77,24 +110,11 @@ class GenerationApi(CountedRefusalsApi):
         )(post)
 
     async def post(self, request: HttpRequest) -> HttpResponse:
-        started = time.perf_counter()
-        try:
-            # In a thread: a body of megabytes takes the parser and the serializers a while, and
-            # every stream of this process waits while the event loop does anything.
-            data = await blocking(_generation_body)(request, self.InputSerializer)
-        except PlatformError as exc:
-            metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
-            raise
-        generation, events = await generation_start(
-            auth=self.auth,
+        generation, events, _ = await self.start_generation(
+            request,
             kind=self.kind,
-            data=data,
-            request_id=self.request_id,
-            started_at=started,
-            request_counted=True,  # by the base view, before the body was read
-            client_timeout_s=read_timeout(request),
+            read=functools.partial(_generation_body, serializer_class=self.InputSerializer),
         )
-        self.ratelimit_headers = generation.ratelimit_headers
         plan = generation.plan
         if plan.stream:
             return sse_response(generation, events, self.Stream(plan))

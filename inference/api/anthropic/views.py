@@ -6,16 +6,14 @@ generation service: the same limits, tiers, fair share and ledger as /v1/chat/co
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from drf_spectacular.utils import extend_schema
 
 from core.api.base import json_body
-from core.concurrency import blocking
-from core.errors import InvalidRequestError, PlatformError
-from inference import metrics, tokenization
+from core.errors import InvalidRequestError
+from inference import tokenization
 from inference.api.anthropic import render, translate
 from inference.api.anthropic.schema import (
     MESSAGE_EVENTS,
@@ -25,10 +23,10 @@ from inference.api.anthropic.schema import (
     MessageTokensCountSerializer,
     anthropic_errors,
 )
-from inference.api.base import CountedRefusalsApi, generation_input, read_timeout
+from inference.api.base import CountedRefusalsApi, generation_input
 from inference.api.body_json import body_json
 from inference.api.chat_completions.schema import ChatCompletionInputSerializer
-from inference.services import collect_choices, generation_start, served_model_resolve
+from inference.services import collect_choices, served_model_resolve
 
 # Chat fields named in a refusal, as the Messages API names them.
 _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
@@ -72,22 +70,7 @@ class MessageCreateApi(AnthropicApi):
         },
     )
     async def post(self, request: HttpRequest) -> HttpResponse:
-        started = time.perf_counter()
-        try:
-            data = await blocking(_chat_data)(request)
-        except PlatformError as exc:
-            metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
-            raise
-        generation, events = await generation_start(
-            auth=self.auth,
-            kind="chat",
-            data=data,
-            request_id=self.request_id,
-            started_at=started,
-            request_counted=True,
-            client_timeout_s=read_timeout(request),
-        )
-        self.ratelimit_headers = generation.ratelimit_headers
+        generation, events, _ = await self.start_generation(request, kind="chat", read=_chat_data)
         plan = generation.plan
         if plan.stream:
             return render.message_stream_response(generation, events)

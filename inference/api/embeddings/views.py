@@ -6,7 +6,6 @@ to `dimensions` and renormalized when asked."""
 from __future__ import annotations
 
 import base64
-import time
 from typing import Any
 
 import numpy as np
@@ -17,11 +16,10 @@ from core.api.base import json_body
 from core.api.openapi import api_errors
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError
-from inference import metrics
-from inference.api.base import CountedRefusalsApi, generation_input, read_timeout
+from inference.api.base import CountedRefusalsApi, generation_input
 from inference.api.body_json import body_json
 from inference.api.embeddings.schema import EmbeddingInputSerializer, EmbeddingListSerializer
-from inference.services import ChoiceFinished, GenerationPlan, GenerationUsage, generation_start
+from inference.services import ChoiceFinished, GenerationPlan, GenerationUsage
 
 
 def _vectors(plan: GenerationPlan, finished: dict[int, str], dimensions: int | None) -> list[np.ndarray]:
@@ -74,22 +72,7 @@ class EmbeddingCreateApi(CountedRefusalsApi):
         responses={200: EmbeddingListSerializer, **api_errors(400, 404, 413)},
     )
     async def post(self, request: HttpRequest) -> HttpResponse:
-        started = time.perf_counter()
-        try:
-            data = await blocking(_body)(request)
-        except PlatformError as exc:
-            metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
-            raise
-        generation, events = await generation_start(
-            auth=self.auth,
-            kind="embedding",
-            data=data,
-            request_id=self.request_id,
-            started_at=started,
-            request_counted=True,
-            client_timeout_s=read_timeout(request),
-        )
-        self.ratelimit_headers = generation.ratelimit_headers
+        generation, events, data = await self.start_generation(request, kind="embedding", read=_body)
         plan = generation.plan
         finished: dict[int, str] = {}
         async for item in events:

@@ -9,9 +9,9 @@ database before its last event is sent, so the client's next turn finds it on an
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +24,7 @@ from core.api.base import ApiView, json_body
 from core.api.openapi import api_errors
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, PlatformError
-from inference import metrics
-from inference.api.base import CountedRefusalsApi, generation_input, read_timeout
+from inference.api.base import CountedRefusalsApi, generation_input
 from inference.api.body_json import body_json
 from inference.api.chat_completions.schema import ChatCompletionInputSerializer
 from inference.api.openai_responses import render, translate
@@ -36,7 +35,7 @@ from inference.api.openai_responses.schema import (
     ResponseDeletedSerializer,
     ResponseObjectSerializer,
 )
-from inference.services import ChoiceDelta, ChoiceFinished, Generation, collect_choices, generation_start
+from inference.services import ChoiceDelta, ChoiceFinished, Generation, collect_choices
 from inference.services.stored_responses import (
     ResponseTurn,
     stored_response_delete,
@@ -175,23 +174,13 @@ class ResponseCreateApi(CountedRefusalsApi):
         },
     )
     async def post(self, request: HttpRequest) -> HttpResponse:
-        started = time.perf_counter()
         tenant_id = self.auth.tenant_id
-        try:
-            prepared = await blocking(_prepare)(request, tenant_id)
-        except PlatformError as exc:
-            metrics.record_refused(tenant=self.auth.tenant_slug, model=None, code=exc.code)
-            raise
-        generation, events = await generation_start(
-            auth=self.auth,
+        generation, events, prepared = await self.start_generation(
+            request,
             kind="chat",
-            data=prepared.data,
-            request_id=self.request_id,
-            started_at=started,
-            request_counted=True,
-            client_timeout_s=read_timeout(request),
+            read=functools.partial(_prepare, tenant_id=tenant_id),
+            data_of=lambda prepared: prepared.data,
         )
-        self.ratelimit_headers = generation.ratelimit_headers
         if generation.plan.stream:
             response = StreamingHttpResponse(
                 response_events(generation, events, prepared, tenant_id), content_type="text/event-stream"
