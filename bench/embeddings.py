@@ -7,12 +7,14 @@ Texts of mixed lengths (4 to 400 tokens, drawn from real words) are embedded two
 Pagoda's figures include tokenization (the web tier's work; the fast tokenizer over the batch) and
 the engine (packed inputs, no padding); sentence-transformers' are `encode` with its defaults (it
 sorts by length and pads per batch of 32). Both give the same vectors (the least cosine over the
-first 64 texts is reported). vLLM's CPU build is not part of this benchmark yet.
+first 64 texts is reported). With --vllm-python, vLLM's CPU build (its pooling runner, `LLM.embed`,
+offline) embeds the same batches in a process of its own, its tokenization included.
 
 Prints progress on stderr and a final JSON line: texts/s and p50 latency per side and batch size,
 and the ratios.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/embeddings.py
+    OMP_NUM_THREADS=2 .venv/bin/python bench/embeddings.py --vllm-python ~/.cache/pagoda/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -78,6 +80,60 @@ def st_side(model: Any, batches: list[list[str]]) -> tuple[list[float], list[Any
     return times, vectors
 
 
+VLLM_CHILD = """
+import json, sys, time
+from vllm import LLM
+args = json.loads(open(sys.argv[1]).read())
+llm = LLM(model=args["model"], runner="pooling", dtype="float32", max_model_len=512, enforce_eager=True)
+llm.embed(args["batches"][0][:8], use_tqdm=False)  # warm-up
+out = {"vectors": [o.outputs.embedding for o in llm.embed(args["check"], use_tqdm=False)]}
+for size, batches in args["by_size"].items():
+    runs = []
+    for _ in range(args["rounds"]):
+        times = []
+        for batch in batches:
+            start = time.perf_counter()
+            llm.embed(batch, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        runs.append(times)
+    out[size] = runs
+print("RESULT " + json.dumps(out))
+"""
+
+
+def vllm_side(
+    vllm_python: str, model_dir: Path, by_size: dict[int, list[list[str]]], check: list[str], rounds: int
+) -> dict[str, Any]:
+    import os
+    import subprocess
+    import tempfile
+
+    from common import vllm_env
+
+    payload = {
+        "model": str(model_dir),
+        "by_size": {str(k): v for k, v in by_size.items()},
+        "batches": next(iter(by_size.values())),
+        "check": check,
+        "rounds": rounds,
+    }
+    env = vllm_env(vllm_python, threads=int(os.environ.get("OMP_NUM_THREADS", "2")), kv_cache_gib=1)
+    # vLLM takes sentence_bert_config.json's max_seq_length (256) as the model's limit; the texts
+    # here reach 400 tokens, within the model's 512 positions, as on the other two sides.
+    env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as payload_file:  # too long for an argument
+        json.dump(payload, payload_file)
+        payload_file.flush()
+        proc = subprocess.run(
+            [vllm_python, "-c", VLLM_CHILD, payload_file.name], env=env, capture_output=True, text=True
+        )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        log(proc.stderr[-3000:])
+        return {"error": f"vLLM's embed run failed (exit {proc.returncode})"}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def figures(times: list[float], texts: int) -> dict[str, float]:
     return {
         "texts_per_s": round(texts / sum(times), 1),
@@ -92,6 +148,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=512, help="texts per batch size and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm-python", default=None, help="the python of a venv with vLLM's CPU build")
     args = parser.parse_args()
 
     import numpy as np
@@ -128,9 +185,15 @@ def main() -> None:
     )
     log(f"min cosine over 64 texts: {cosine:.7f}")
     results: dict[str, dict[str, list[float]]] = {}
+    by_size = {
+        size: [
+            texts[i : i + size] for i in range(0, len(texts) if size == 64 else min(len(texts), 128), size)
+        ]
+        for size in (64, 1)
+    }
     for batch_size in (64, 1):
         count = len(texts) if batch_size == 64 else min(len(texts), 128)
-        batches = [texts[i : i + batch_size] for i in range(0, count, batch_size)]
+        batches = by_size[batch_size]
         for r in range(args.rounds):
             order = [("pagoda", pagoda_side), ("sentence_transformers", st_side)]
             if r % 2:
@@ -154,6 +217,31 @@ def main() -> None:
         out[f"ratio_batch{batch_size}"] = round(
             ours_tps / out[f"sentence_transformers_batch{batch_size}"]["texts_per_s"], 2
         )
+    if args.vllm_python:
+        log("vLLM's CPU build: the same batches")
+        vllm = vllm_side(args.vllm_python, model_dir, by_size, texts[:64], args.rounds)
+        if "error" in vllm:
+            out["vllm"] = vllm
+        else:
+            out["vllm_min_cosine"] = round(
+                min(
+                    float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+                    for a, b in zip(ours, vllm["vectors"], strict=True)
+                ),
+                7,
+            )
+            for batch_size in (64, 1):
+                count = sum(len(b) for b in by_size[batch_size])
+                runs = vllm[str(batch_size)]
+                out[f"vllm_batch{batch_size}"] = {
+                    "texts_per_s": round(statistics.median(count / sum(times) for times in runs), 1),
+                    "latency_p50_ms": round(1000 * statistics.median(t for times in runs for t in times), 2),
+                }
+                out[f"vs_vllm_batch{batch_size}"] = round(
+                    out[f"pagoda_batch{batch_size}"]["texts_per_s"]
+                    / out[f"vllm_batch{batch_size}"]["texts_per_s"],
+                    2,
+                )
     print(json.dumps(out))
 
 
