@@ -1,5 +1,7 @@
 """Embedding throughput and latency: Pagoda's embedding engine against sentence-transformers'
-`encode`, on all-MiniLM-L6-v2, the same texts, the same CPU threads, in one process.
+`encode`, on all-MiniLM-L6-v2 (an encoder, mean pooling) or, with --model smollm2, on
+SmolLM2-135M run as an embedding model built on a decoder (last-token pooling, normalized: what
+`--task embed` serves), the same texts, the same CPU threads, in one process.
 
 Texts of mixed lengths (4 to 400 tokens, drawn from real words) are embedded two ways:
 - batch 64: requests of 64 texts each, one after another;
@@ -15,6 +17,8 @@ and the ratios.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/embeddings.py
     OMP_NUM_THREADS=2 .venv/bin/python bench/embeddings.py --vllm-python ~/.cache/pagoda/vllm-venv/bin/python
+    OMP_NUM_THREADS=2 .venv/bin/python bench/embeddings.py --model smollm2 --texts 128 \
+        --vllm-python ~/.cache/pagoda/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import log  # noqa: E402
+
+MAX_LEN = 512  # tokens an input may hold, on every side
 
 WORDS = (
     "river mountain quiet library engine window garden thunder lantern bridge market winter copper "
@@ -59,7 +65,7 @@ def pagoda_side(engine: Any, tokenizer: Any, batches: list[list[str]]) -> tuple[
     times, vectors = [], []
     for i, batch in enumerate(batches):
         started = time.perf_counter()
-        ids = tokenizer(batch, truncation=True, max_length=512)["input_ids"]
+        ids = tokenizer(batch, truncation=True, max_length=MAX_LEN)["input_ids"]
         engine.add_embedding_request(f"r{i}", ids, tenant="bench")
         done = None
         while done is None:
@@ -84,7 +90,8 @@ VLLM_CHILD = """
 import json, sys, time
 from vllm import LLM
 args = json.loads(open(sys.argv[1]).read())
-llm = LLM(model=args["model"], runner="pooling", dtype="float32", max_model_len=512, enforce_eager=True)
+llm = LLM(model=args["model"], runner="pooling", dtype="float32", max_model_len=512, enforce_eager=True,
+          **args["options"])
 llm.embed(args["batches"][0][:8], use_tqdm=False)  # warm-up
 out = {"vectors": [o.outputs.embedding for o in llm.embed(args["check"], use_tqdm=False)]}
 for size, batches in args["by_size"].items():
@@ -102,7 +109,12 @@ print("RESULT " + json.dumps(out))
 
 
 def vllm_side(
-    vllm_python: str, model_dir: Path, by_size: dict[int, list[list[str]]], check: list[str], rounds: int
+    vllm_python: str,
+    model_dir: Path,
+    by_size: dict[int, list[list[str]]],
+    check: list[str],
+    rounds: int,
+    decoder: bool,
 ) -> dict[str, Any]:
     import os
     import subprocess
@@ -116,6 +128,8 @@ def vllm_side(
         "batches": next(iter(by_size.values())),
         "check": check,
         "rounds": rounds,
+        # A decoder: vLLM's pooling runner's own default for it is the last token, normalized.
+        "options": {"pooler_config": {"pooling_type": "LAST", "normalize": True}} if decoder else {},
     }
     env = vllm_env(vllm_python, threads=int(os.environ.get("OMP_NUM_THREADS", "2")), kv_cache_gib=1)
     # vLLM takes sentence_bert_config.json's max_seq_length (256) as the model's limit; the texts
@@ -149,6 +163,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-python", default=None, help="the python of a venv with vLLM's CPU build")
+    parser.add_argument(
+        "--model",
+        choices=("minilm", "smollm2"),
+        default="minilm",
+        help="minilm: all-MiniLM-L6-v2; smollm2: SmolLM2-135M embedding with last-token pooling",
+    )
     args = parser.parse_args()
 
     import numpy as np
@@ -157,21 +177,43 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from engine.config import EngineConfig, SchedulerConfig
-    from engine.demo_model import default_embedding_model_dir, fetch_embedding_model
+    from engine.demo_model import (
+        default_embedding_model_dir,
+        default_model_dir,
+        fetch_demo_model,
+        fetch_embedding_model,
+    )
     from engine.embedding_engine import EmbeddingEngine
 
     torch.set_num_threads(args.threads)
-    model_dir = fetch_embedding_model(default_embedding_model_dir())
+    decoder = args.model == "smollm2"
+    if decoder:
+        from sentence_transformers import models
+
+        model_dir = fetch_demo_model(default_model_dir("float32"), dtype="float32", progress=False)
+        # Texts as plain text: sentence-transformers would otherwise wrap each in the chat template
+        # of this instruct model (a "message"), which an embedding request does not.
+        body = models.Transformer(
+            str(model_dir),
+            max_seq_length=MAX_LEN,
+            modality_config={"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+            module_output_name="token_embeddings",
+        )
+        pooling = models.Pooling(body.get_embedding_dimension(), pooling_mode="lasttoken")
+        reference = SentenceTransformer(modules=[body, pooling, models.Normalize()], device="cpu")
+    else:
+        model_dir = fetch_embedding_model(default_embedding_model_dir())
+        reference = SentenceTransformer(str(model_dir), device="cpu")
+        reference.max_seq_length = MAX_LEN
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = EmbeddingEngine.from_config(
         EngineConfig(
             model=str(model_dir),
+            task="embed",
             device="cpu",
-            scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64, max_model_len=512),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64, max_model_len=MAX_LEN),
         )
     )
-    reference = SentenceTransformer(str(model_dir), device="cpu")
-    reference.max_seq_length = 512
     texts = make_texts(tokenizer, args.texts, seed=0)
     log(
         f"{len(texts)} texts, {sum(len(tokenizer(t)['input_ids']) for t in texts)} tokens; {args.threads} threads"
@@ -206,7 +248,12 @@ def main() -> None:
                 )
                 results[f"{name}_batch{batch_size}"].setdefault("latency", []).extend(times)
                 log(f"batch {batch_size} round {r + 1} {name}: {figures(times, count)}")
-    out: dict[str, Any] = {"min_cosine": round(cosine, 7), "threads": args.threads, "texts": len(texts)}
+    out: dict[str, Any] = {
+        "model": args.model,
+        "min_cosine": round(cosine, 7),
+        "threads": args.threads,
+        "texts": len(texts),
+    }
     for key, value in results.items():
         out[key] = {
             "texts_per_s": round(statistics.median(value["runs"]), 1),
@@ -219,7 +266,7 @@ def main() -> None:
         )
     if args.vllm_python:
         log("vLLM's CPU build: the same batches")
-        vllm = vllm_side(args.vllm_python, model_dir, by_size, texts[:64], args.rounds)
+        vllm = vllm_side(args.vllm_python, model_dir, by_size, texts[:64], args.rounds, decoder)
         if "error" in vllm:
             out["vllm"] = vllm
         else:

@@ -170,6 +170,9 @@ class SpeculativeConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model: str  # path to a Hugging Face model directory
+    # generate | embed | auto (embed for an encoder, generate for a decoder): the engine that serves
+    # it (engine.llm_engine or engine.embedding_engine).
+    task: str = "auto"
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype (float32 on CPU when it is float16)
     device: str = "auto"  # auto: cuda when available, else cpu
     attention_backend: str = "auto"  # torch | triton | auto (triton on cuda, torch on cpu)
@@ -189,6 +192,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
+        if self.task not in ("auto", "generate", "embed"):
+            raise ConfigError(f"task must be auto, generate or embed, got {self.task!r}")
         if self.dtype not in ("auto", *_DTYPES):
             raise ConfigError(f"dtype must be auto or one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

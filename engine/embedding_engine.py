@@ -1,5 +1,6 @@
-"""The engine of an embedding replica: an encoder model (engine.models.bert), no KV cache, and a
-scheduler whose one step kind is a packed prefill-only batch.
+"""The engine of an embedding replica: an encoder model (engine.models.bert), or a decoder of the
+Llama family run causally over each input (LlamaForCausalLM.encode, for the embedding models built
+on decoders), with no KV cache, and a scheduler whose one step kind is a packed prefill-only batch.
 
 A request holds up to thousands of inputs; each step packs inputs, in the waiting order, up to
 `max_num_batched_tokens` tokens and `max_num_seqs` inputs (one longer input runs alone), runs the
@@ -17,7 +18,9 @@ import base64
 import itertools
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +28,14 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.errors import InvalidRequestError, RequestTooLargeError
 from engine.fair_share import ServiceCounters
-from engine.models.bert import BertEncoder, Pooling, load_encoder, load_encoder_config, load_pooling, pool
+from engine.models.bert import (
+    Pooling,
+    is_encoder,
+    load_encoder,
+    load_encoder_config,
+    load_pooling,
+    pool,
+)
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import ErrorCode, FinishReason
 from engine.request_queue import WaitingQueue
@@ -58,10 +68,52 @@ class EmbeddingJob:
         return sum(len(ids) for ids in self.inputs)
 
 
+# Token states (tokens, hidden) of inputs laid back to back, `lengths` tokens each.
+Encode = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EmbeddingModel:
+    """What the engine runs: the model's forward over a packed batch, and its facts."""
+
+    encode: Encode
+    vocab_size: int
+    max_model_len: int  # the longest input the model's positions cover
+    device: torch.device
+
+
+def load_embedding_model(config: EngineConfig) -> tuple[EmbeddingModel, Pooling]:
+    """An encoder directory (BERT family), or a decoder one (Llama, Mistral, Qwen2, Qwen3) run for
+    embeddings; the pooling its sentence-transformers files declare, else mean for an encoder and the
+    last token for a decoder (where a causal model has read the whole input), normalized."""
+    device = torch.device(
+        config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if is_encoder(config.model):
+        dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+            config.dtype
+        )
+        if dtype is None:
+            raise ConfigError(f"an encoder embeds in float32 or bfloat16, not {config.dtype}")
+        encoder = load_encoder(config.model, dtype=dtype, device=device)
+        limit = load_encoder_config(config.model).max_position_embeddings
+        model = EmbeddingModel(encoder, encoder.cfg.vocab_size, limit, device)
+        return model, load_pooling(config.model)
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.models.loader import load_model
+
+    # The attention backend is never called: encode() attends without a KV cache.
+    decoder = load_model(config.model, TorchAttentionBackend(), dtype=config.dtype, device=device)
+    cfg = decoder.config
+    model = EmbeddingModel(decoder.encode, cfg.vocab_size, cfg.max_position_embeddings, device)
+    has_pooling = (Path(config.model) / "modules.json").exists()
+    return model, load_pooling(config.model) if has_pooling else Pooling(mode="last", normalize=True)
+
+
 class EmbeddingEngine:
     def __init__(
         self,
-        model: BertEncoder,
+        model: EmbeddingModel,
         pooling: Pooling,
         *,
         max_model_len: int,
@@ -74,8 +126,8 @@ class EmbeddingEngine:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.vocab_size = model.cfg.vocab_size
-        self.device = next(model.parameters()).device
+        self.vocab_size = model.vocab_size
+        self.device = model.device
         self.service = ServiceCounters()
         self.waiting: WaitingQueue[EmbeddingJob] = WaitingQueue(self._least_served if fair_share else None)
         self._jobs: dict[str, EmbeddingJob] = {}
@@ -85,20 +137,11 @@ class EmbeddingEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EmbeddingEngine:
-        device = torch.device(
-            config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            config.dtype
-        )
-        if dtype is None:
-            raise ConfigError(f"an embedding model runs in float32 or bfloat16, not {config.dtype}")
-        limit = load_encoder_config(config.model).max_position_embeddings
-        max_model_len = min(config.max_model_len or limit, limit)
+        model, pooling = load_embedding_model(config)
         return cls(
-            load_encoder(config.model, dtype=dtype, device=device),
-            load_pooling(config.model),
-            max_model_len=max_model_len,
+            model,
+            pooling,
+            max_model_len=min(config.max_model_len or model.max_model_len, model.max_model_len),
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
             fair_share=config.scheduler.policy == "fair",
@@ -191,7 +234,7 @@ class EmbeddingEngine:
         return outputs
 
     def _embed(self, flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        return pool(self.model(flat, lengths), lengths, self.pooling)
+        return pool(self.model.encode(flat, lengths), lengths, self.pooling)
 
     def _schedule(self) -> list[tuple[EmbeddingJob, int]]:
         """(job, input index) pairs of the next step, in the waiting order."""

@@ -114,16 +114,31 @@ TASKS = ("generate", "embed")
 MAX_EMBEDDING_INPUTS = 2048
 
 
-def model_task(config: dict[str, Any]) -> str:
-    """What a checkpoint's config.json makes of a deployment: embed for a BERT-family encoder,
-    generate for a decoder the engine serves; ValueError for anything else."""
+def model_tasks(config: dict[str, Any]) -> tuple[str, ...]:
+    """The tasks a checkpoint's config.json allows, its default first: a BERT-family encoder only
+    embeds; a decoder the engine serves generates, or embeds when the operator says it is an
+    embedding model built on a decoder (pooled from its last token unless its sentence-transformers
+    files say otherwise). ValueError for anything else."""
     archs = config.get("architectures") or []
     if config.get("model_type") == "bert" or (
         isinstance(archs, list) and any(a in ENCODER_ARCHITECTURES for a in archs)
     ):
-        return "embed"
+        return ("embed",)
     served_architecture(config)
-    return "generate"
+    return ("generate", "embed")
+
+
+def model_task(config: dict[str, Any], requested: str | None = None) -> str:
+    """The task of a deployment of this checkpoint: `requested` where the checkpoint allows it, else
+    ValueError; None: the checkpoint's default (embed for an encoder, generate for a decoder)."""
+    tasks = model_tasks(config)
+    if requested is None:
+        return tasks[0]
+    if requested not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {requested!r}")
+    if requested not in tasks:
+        raise ValueError(f"an encoder (BERT family) cannot {requested}; its task is {tasks[0]}")
+    return requested
 
 
 def sliding_window_in_use(config: dict[str, Any]) -> Any:

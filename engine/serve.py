@@ -48,6 +48,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     model = parser.add_argument_group("model")
     model.add_argument("--model-dir", required=True, help="Hugging Face model directory")
     model.add_argument("--served-name", required=True, help="the name clients put in `model`")
+    model.add_argument(
+        "--task",
+        default="auto",
+        choices=("auto", "generate", "embed"),
+        help="embed: compute embeddings (/v1/embeddings); auto: embed for an encoder, else generate",
+    )
     model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     model.add_argument("--max-model-len", type=int, default=None)
@@ -165,6 +171,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     max_model_len = args.max_model_len or 2048
     return EngineConfig(
         model=args.model_dir,
+        task=args.task,
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
@@ -267,9 +274,13 @@ def run(args: argparse.Namespace) -> int:
     from engine.models.bert import is_encoder
 
     try:
-        # An encoder (BERT family) computes embeddings; every other model generates.
+        # An encoder (BERT family) computes embeddings; a decoder generates unless told to embed.
         engine: LLMEngine | EmbeddingEngine
-        engine = (EmbeddingEngine if is_encoder(config.model) else LLMEngine).from_config(config)
+        encoder = is_encoder(config.model)
+        if encoder and config.task == "generate":
+            raise ConfigError(f"{config.model} is an encoder (BERT family): it embeds, it cannot generate")
+        embed = encoder or config.task == "embed"
+        engine = (EmbeddingEngine if embed else LLMEngine).from_config(config)
     except (EngineError, ConfigError) as exc:  # a bad model directory or setting: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -47,11 +47,25 @@ class ModelDeploymentForm(forms.ModelForm):
         if not (resolved / "config.json").is_file():
             raise forms.ValidationError("No config.json in that directory: it is not a model directory.")
         try:
-            # The architecture the engine serves, its context and its task (an encoder embeds).
-            _, self.instance.task = model_facts(model_path=resolved)
+            model_facts(model_path=resolved)  # an architecture the engine serves
         except ModelDirectoryError as exc:
             raise forms.ValidationError(str(exc)) from None
         return str(resolved)
+
+    def clean(self) -> dict:
+        """The task must be one the checkpoint allows: a decoder generates, or embeds when it is an
+        embedding model built on a decoder; an encoder only embeds, so its task is set to embed."""
+        cleaned = super().clean()
+        path, task = cleaned.get("model_path"), cleaned.get("task")
+        if path and task:
+            try:
+                if model_facts(model_path=Path(path))[1] == ModelDeployment.Task.EMBED:
+                    cleaned["task"] = self.instance.task = ModelDeployment.Task.EMBED
+                else:
+                    model_facts(model_path=Path(path), task=task)
+            except InvalidRequestError as exc:
+                self.add_error("task", str(exc.message))
+        return cleaned
 
 
 @admin.register(ModelDeployment)
@@ -60,7 +74,7 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
     list_display = ("name", "task", "enabled", "max_model_len", "dtype", "live_replicas", "updated_at")
     list_filter = ("enabled", "task", "dtype")
     search_fields = ("name", "model_path")
-    readonly_fields = ("task", "replicas", "created_at", "updated_at")
+    readonly_fields = ("replicas", "created_at", "updated_at")
     fields = (
         "name",
         "model_path",

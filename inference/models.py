@@ -55,8 +55,14 @@ class ModelDeployment(models.Model):
         GENERATE = "generate", "Generate (chat, completions, responses, messages)"
         EMBED = "embed", "Embed (/v1/embeddings)"
 
-    # Read from the model directory when the deployment is registered (an encoder embeds).
-    task = models.CharField(max_length=16, choices=Task.choices, default=Task.GENERATE, editable=False)
+    # An encoder (BERT family) embeds; a decoder generates, or embeds when the operator says it is an
+    # embedding model built on a decoder (model_register --task embed, or the admin).
+    task = models.CharField(
+        max_length=16,
+        choices=Task.choices,
+        default=Task.GENERATE,
+        help_text="Embed: an embedding model (an encoder always embeds; a decoder pools its last token).",
+    )
     engine_settings = models.JSONField(
         default=dict,
         blank=True,

@@ -179,10 +179,10 @@ def make_world(
         model = model or f"tiny-{uuid.uuid4().hex[:8]}"
         from engine.models.bert import is_encoder
 
-        task = ModelDeployment.Task.EMBED if is_encoder(model_dir) else ModelDeployment.Task.GENERATE
-        registered = ModelDeployment.objects.create(
-            name=model, model_path=str(model_dir), task=task, **(deployment or {})
-        )
+        fields = dict(deployment or {})  # a `task` in it: embed for a decoder built to embed
+        default = ModelDeployment.Task.EMBED if is_encoder(model_dir) else ModelDeployment.Task.GENERATE
+        fields.setdefault("task", default)
+        registered = ModelDeployment.objects.create(name=model, model_path=str(model_dir), **fields)
     model = model or MODEL
     a = tenant_create(
         **{"name": "Tenant A", "slug": "tenant-a", "allowed_models": [model], **(tenant_a or {})}

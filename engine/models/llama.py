@@ -8,6 +8,7 @@ fused (q|k|v and gate|up) so each layer runs two large matmuls instead of five s
 from __future__ import annotations
 
 from types import ModuleType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +117,47 @@ class LlamaAttention(nn.Module):
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def forward_packed(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        lengths: list[int],
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Causal attention of each input over its own tokens only, inputs laid back to back, with no
+        KV cache: what a decoder computes when it embeds (LlamaForCausalLM.encode)."""
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, self.q_norm, self.k_norm)
+        tokens = qkv.shape[0]
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        qk = apply_rope_signed(qk, cos, sin_signed)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        start = 0
+        for length in lengths:
+            end = start + length
+            # (heads, length, head_dim) per input: attention never crosses inputs.
+            qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            if sliding_window is not None and length > sliding_window:
+                rows = torch.arange(length, device=x.device)
+                distance = rows[:, None] - rows[None, :]
+                mask = (distance >= 0) & (distance < sliding_window)
+                attended = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
+            else:
+                attended = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            out[start:end] = attended.transpose(0, 1)
+            start = end
+        return self.o_proj(out.view(tokens, self.q_size))
+
     def _norm_heads(self, qkv: torch.Tensor, q_norm: HeadRMSNorm, k_norm: HeadRMSNorm) -> None:
         """q and k normed per head in place in the fused projection, before the rotary embedding."""
         tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
@@ -156,6 +198,11 @@ class LlamaDecoderLayer(nn.Module):
         update rides along with the norm that reads it. x is this forward's own tensor (the
         embedding output), never a caller's."""
         attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, kv_cache, metadata, backend)
+        return self.mlp(self.post_attention_layernorm(x, attn))
+
+    def forward_packed(self, x, delta, cos, sin, lengths: list[int], window: int | None) -> torch.Tensor:
+        """forward() without a KV cache, each input attending to itself alone (encode)."""
+        attn = self.self_attn.forward_packed(self.input_layernorm(x, delta), cos, sin, lengths, window)
         return self.mlp(self.post_attention_layernorm(x, attn))
 
 
@@ -226,6 +273,21 @@ class LlamaForCausalLM(nn.Module):
         delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             delta = layer(x, delta, cos, sin_signed, kv_cache, metadata, self.backend)
+        return self.model.norm(x, delta)
+
+    @torch.inference_mode()
+    def encode(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Final-norm token states (tokens, hidden_size) of inputs laid back to back, `lengths` tokens
+        each, every input attending causally to itself alone and from position 0, with no KV cache:
+        what an embedding model built on this decoder pools (engine.embedding_engine)."""
+        x = self.model.embed_tokens(input_ids)
+        self._use_fused(x.device)
+        positions = torch.cat([torch.arange(n, device=x.device) for n in lengths])
+        cos, sin_signed = self._cos_sin(positions, max(lengths), x.dtype)
+        window = self.config.sliding_window
+        delta = None
+        for layer in self.model.layers:
+            delta = cast(LlamaDecoderLayer, layer).forward_packed(x, delta, cos, sin_signed, lengths, window)
         return self.model.norm(x, delta)
 
     def _cos_sin(

@@ -25,10 +25,11 @@ def model_context_limit(*, model_path: Path) -> int:
     return model_facts(model_path=model_path)[0]
 
 
-def model_facts(*, model_path: Path) -> tuple[int, str]:
+def model_facts(*, model_path: Path, task: str | None = None) -> tuple[int, str]:
     """(the longest context the engine will accept, the task: generate or embed) of a checkpoint,
     read from its config.json by the engine's own rules (engine.rules), so a deployment registered
-    here never asks the engine for more than it serves.
+    here never asks the engine for more than it serves. `task` is the operator's (a decoder may
+    embed; an encoder cannot generate); None: the checkpoint's default.
     """
     if not model_path.is_dir():
         raise ModelDirectoryError(f"model directory {str(model_path)!r} does not exist")
@@ -45,10 +46,16 @@ def model_facts(*, model_path: Path) -> tuple[int, str]:
     if not isinstance(raw, dict):
         raise ModelDirectoryError(f"{config_path} must hold a JSON object")
     try:
-        task = model_task(raw)  # an engine could not load anything else
-        return model_context_length(raw), task
+        default_task = model_task(raw)  # an engine could not load anything else
+        limit = model_context_length(raw)
     except ValueError as exc:
         raise ModelDirectoryError(f"{config_path}: {exc}") from exc
+    if task is None:
+        return limit, default_task
+    try:
+        return limit, model_task(raw, task)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{model_path}: {exc}", param="task") from exc
 
 
 @transaction.atomic
@@ -61,6 +68,7 @@ def deployment_register(
     engine_settings: dict[str, Any] | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    task: str | None = None,
 ) -> tuple[ModelDeployment, bool]:
     """Create the deployment `name`, or update it in place; returns (deployment, created).
 
@@ -69,10 +77,11 @@ def deployment_register(
     ones (a value of None removes the key), so options set in the admin survive a re-registration.
     The enabled flag is left as the operator set it; a new deployment starts enabled. The parsers,
     when given ("" for none), replace the stored ones; when not, they stay (a new deployment takes
-    the defaults).
+    the defaults). So does the task (generate or embed): when not given, the stored one stays where
+    the checkpoint allows it; a new deployment takes the checkpoint's default.
     """
     path = Path(model_path).expanduser().resolve()
-    limit, task = model_facts(model_path=path)
+    limit, default_task = model_facts(model_path=path)
     if max_model_len is not None and max_model_len < 1:
         raise InvalidRequestError(f"max_model_len must be >= 1, got {max_model_len}", param="max_model_len")
     if dtype not in ModelDeployment.Dtype.values:
@@ -82,6 +91,15 @@ def deployment_register(
     length = limit if max_model_len is None else min(max_model_len, limit)
     deployment = ModelDeployment.objects.select_for_update().filter(name=name).first()
     created = deployment is None
+    if task is not None:
+        task = model_facts(model_path=path, task=task)[1]
+    elif deployment is not None and deployment.task != default_task:
+        try:
+            task = model_facts(model_path=path, task=deployment.task)[1]
+        except InvalidRequestError:  # the path now holds a model that cannot do it
+            task = default_task
+    else:
+        task = default_task
     if deployment is None:
         deployment = ModelDeployment(name=name, enabled=True, engine_settings={})
     settings = dict(deployment.engine_settings or {})

@@ -211,15 +211,18 @@ def served_world(
     engine_settings: dict[str, Any],
     max_model_len: int = 2048,
     env: dict[str, str] | None = None,
+    task: str | None = None,
     **world: Any,
 ) -> Iterator[tuple[World, ServingStack]]:
     """The e2e tests' world: make_world's tenants and keys (its arguments in ``world``) and a model
-    deployment on the CPU (``engine_settings`` over blocks of 16 tokens) committed, then a serving
-    stack of that model with ``replica_ids``."""
-    deployment = {
+    deployment on the CPU (``engine_settings`` over blocks of 16 tokens; ``task`` where it is not
+    the model's own) committed, then a serving stack of that model with ``replica_ids``."""
+    deployment: dict[str, Any] = {
         "max_model_len": max_model_len,
         "engine_settings": {"device": "cpu", "block_size": 16, **engine_settings},
     }
+    if task is not None:
+        deployment["task"] = task
     with committed_db():
         base = make_world(deployment=deployment, **world)
     log_dir = tmp_path_factory.mktemp(f"e2e-{base.model}-logs")

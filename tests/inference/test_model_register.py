@@ -322,3 +322,33 @@ def test_an_unknown_parser_is_refused_naming_the_known_ones(tmp_path):
     with pytest.raises(CommandError, match="invalid choice: 'r1'.*qwen3.*deepseek_r1.*none"):
         register("--name", "qwen", "--path", str(path), "--reasoning-parser", "r1")
     assert not ModelDeployment.objects.exists()
+
+
+def test_a_decoder_registered_to_embed_keeps_its_task_and_its_engine_is_told(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=1024)
+    output = register("--name", "gte", "--path", str(path), "--task", "embed")
+    assert "(task embed, max_model_len 1024, dtype auto, engine settings {})" in output
+    register("--name", "gte", "--path", str(path))  # scripts/up.sh registers again on every start
+    assert ModelDeployment.objects.get(name="gte").task == ModelDeployment.Task.EMBED
+    out = io.StringIO()
+    call_command("run_engine", "--model", "gte", "--print-command", stdout=out)
+    assert " --served-name=gte --task=embed " in out.getvalue()
+    register("--name", "gte", "--path", str(path), "--task", "generate")
+    assert ModelDeployment.objects.get(name="gte").task == ModelDeployment.Task.GENERATE
+
+
+def test_an_encoder_cannot_be_registered_to_generate(tmp_path):
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(
+        json.dumps({"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512})
+    )
+    with pytest.raises(CommandError, match="an encoder .BERT family. cannot generate; its task is embed"):
+        register("--name", "minilm", "--path", str(bert), "--task", "generate")
+    assert not ModelDeployment.objects.exists()
+    # A deployment told to embed on a decoder, moved onto an encoder, keeps embedding; one that
+    # generated, moved onto an encoder without a task, takes the encoder's.
+    decoder = model_dir(tmp_path / "m")
+    register("--name", "chat", "--path", str(decoder))
+    register("--name", "chat", "--path", str(bert))
+    assert ModelDeployment.objects.get(name="chat").task == ModelDeployment.Task.EMBED

@@ -35,12 +35,13 @@ def models_dir(settings, tmp_path: Path) -> Path:
     return root
 
 
-def _add(operator: Client, model_path: str, engine_settings: str = "{}"):
+def _add(operator: Client, model_path: str, engine_settings: str = "{}", task: str = "generate"):
     return operator.post(
         "/admin/inference/modeldeployment/add/",
         {
             "name": "tiny",
             "model_path": model_path,
+            "task": task,
             "max_model_len": "256",
             "dtype": "auto",
             "engine_settings": engine_settings,
@@ -66,6 +67,20 @@ def test_a_model_path_inside_the_models_dir_is_stored_resolved(operator, models_
 
     assert response.status_code == 302
     assert ModelDeployment.objects.get().model_path == str((models_dir / "tiny").resolve())
+
+
+def test_the_task_is_the_operators_where_the_checkpoint_allows_it(operator, models_dir):
+    """A decoder may be set to embed (an embedding model built on it); an encoder only embeds, so
+    the admin stores embed whatever the form said."""
+    assert _add(operator, "tiny", task="embed").status_code == 302
+    assert ModelDeployment.objects.get(name="tiny").task == ModelDeployment.Task.EMBED
+    ModelDeployment.objects.all().delete()
+    (models_dir / "bert").mkdir()
+    (models_dir / "bert" / "config.json").write_text(
+        json.dumps({"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512})
+    )
+    assert _add(operator, "bert", task="generate").status_code == 302
+    assert ModelDeployment.objects.get(name="tiny").task == ModelDeployment.Task.EMBED
 
 
 def test_a_model_of_an_architecture_the_engine_does_not_serve_is_refused(operator, models_dir):

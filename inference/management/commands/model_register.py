@@ -59,6 +59,13 @@ class Command(BaseCommand):
             metavar="KEY=VALUE",
             help="an engine option, repeatable (e.g. max_num_seqs=64); KEY=null removes a stored one",
         )
+        parser.add_argument(
+            "--task",
+            choices=ModelDeployment.Task.values,
+            default=None,
+            help="embed: an embedding model built on a decoder (an encoder always embeds); default: as"
+            " stored, or the checkpoint's own (generate for a decoder)",
+        )
         # Left as stored (or the default, for a new deployment) when not given; "none" turns off.
         parser.add_argument(
             "--tool-call-parser",
@@ -83,6 +90,7 @@ class Command(BaseCommand):
                 engine_settings=dict(options["engine_settings"]),
                 tool_call_parser=_parser_choice(options["tool_call_parser"]),
                 reasoning_parser=_parser_choice(options["reasoning_parser"]),
+                task=options["task"],
             )
         except PlatformError as exc:
             raise CommandError(exc.message) from exc

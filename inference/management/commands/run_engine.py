@@ -31,6 +31,7 @@ def serve_argv(
     dtype: str,
     engine_settings: dict[str, Any],
     replica_id: str = "",
+    task: str = "auto",
 ) -> list[str]:
     """The engine's command line for a deployment; refuses engine_settings keys it does not know.
 
@@ -47,6 +48,7 @@ def serve_argv(
         "engine.serve",
         f"--model-dir={model_path}",
         f"--served-name={name}",
+        f"--task={task}",
         f"--max-model-len={max_model_len}",
         f"--dtype={dtype}",
         f"--redis-prefix={settings.REDIS_PREFIX}",
@@ -98,6 +100,7 @@ class Command(BaseCommand):
             dtype=deployment.dtype,
             engine_settings=dict(deployment.engine_settings or {}),
             replica_id=replica_id,
+            task=deployment.task,
         )
         if print_command:
             self.stdout.write(shlex.join(argv))
