@@ -114,7 +114,6 @@ def vllm_side(
     by_size: dict[int, list[list[str]]],
     check: list[str],
     rounds: int,
-    decoder: bool,
 ) -> dict[str, Any]:
     import os
     import subprocess
@@ -128,8 +127,9 @@ def vllm_side(
         "batches": next(iter(by_size.values())),
         "check": check,
         "rounds": rounds,
-        # A decoder: vLLM's pooling runner's own default for it is the last token, normalized.
-        "options": {"pooler_config": {"pooling_type": "LAST", "normalize": True}} if decoder else {},
+        # A decoder: vLLM's pooling runner pools its last token, normalized, by default (the
+        # vectors are checked against Pagoda's below).
+        "options": {},
     }
     env = vllm_env(vllm_python, threads=int(os.environ.get("OMP_NUM_THREADS", "2")), kv_cache_gib=1)
     # vLLM takes sentence_bert_config.json's max_seq_length (256) as the model's limit; the texts
@@ -266,7 +266,7 @@ def main() -> None:
         )
     if args.vllm_python:
         log("vLLM's CPU build: the same batches")
-        vllm = vllm_side(args.vllm_python, model_dir, by_size, texts[:64], args.rounds, decoder)
+        vllm = vllm_side(args.vllm_python, model_dir, by_size, texts[:64], args.rounds)
         if "error" in vllm:
             out["vllm"] = vllm
         else:

@@ -65,6 +65,7 @@ INSTALLED_APPS = [
     "axes",
     "tenants",
     "inference",
+    "batches",
 ]
 
 MIDDLEWARE = [
@@ -165,6 +166,9 @@ CELERY_RESULT_BACKEND = None
 CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": REDIS_PREFIX}
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = True
+# Batch runners hold a worker process for as long as a tenant's batches run: a queue of their own
+# (scripts/up.sh runs a worker for it), so the other tasks never wait behind a batch.
+CELERY_TASK_ROUTES = {"batches.tasks.batch_run": {"queue": "batches"}}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A Redis outage of any length: the worker and beat wait for the broker instead of exiting.
@@ -181,6 +185,12 @@ CELERY_BEAT_SCHEDULE: dict = {
     "inference-stored-responses-expire": {
         "task": "inference.tasks.stored_responses_expire",
         "schedule": 3600.0,
+    },
+    # Batches with work left and no runner (a worker died, or the tenant's runner finished another).
+    "batches-resume": {
+        "task": "batches.tasks.batches_resume",
+        "schedule": envfloat("PAGODA_BATCH_RESUME_EVERY_SECONDS", 10.0),
+        "options": {"expires": 10.0},
     },
     # Requests whose web process died, and ledger rows that waited for the database.
     "inference-settlements-sweep": {
@@ -314,6 +324,20 @@ ADAPTER_STORAGE_PER_TENANT = envint("PAGODA_ADAPTER_STORAGE_PER_TENANT", 4 * 102
 # many bytes per tenant (a `store: true` request past it is refused until some are deleted).
 RESPONSES_TTL_DAYS = envint("PAGODA_RESPONSES_TTL_DAYS", 30, minimum=1)
 RESPONSES_STORAGE_PER_TENANT = envint("PAGODA_RESPONSES_STORAGE_PER_TENANT", 1024 * 1024 * 1024, minimum=1)
+# The Batch API (/v1/files, /v1/batches): bounds on what a tenant may store, how many of a tenant's
+# batch lines run at once (one batch of a tenant runs at a time), what a batch token is billed at,
+# and the completion window "24h" means (shorter in tests).
+BATCH_FILE_MAX_BYTES = envint("PAGODA_BATCH_FILE_MAX_BYTES", 200 * 1024 * 1024, minimum=1)
+BATCH_FILE_MAX_LINES = envint("PAGODA_BATCH_FILE_MAX_LINES", 50_000, minimum=1)
+BATCH_FILES_MAX_BYTES_PER_TENANT = envint(
+    "PAGODA_BATCH_FILES_MAX_BYTES_PER_TENANT", 10 * 1024 * 1024 * 1024, minimum=1
+)
+BATCH_MAX_IN_FLIGHT = envint("PAGODA_BATCH_MAX_IN_FLIGHT", 8, minimum=1)
+BATCH_PRICE_FACTOR = envfloat("PAGODA_BATCH_PRICE_FACTOR", 0.5)
+BATCH_COMPLETION_WINDOW_S = envint("PAGODA_BATCH_COMPLETION_WINDOW_S", 24 * 3600, minimum=1)
+# How long a batch runner's lease on its tenant lasts without renewal: a runner that died is
+# replaced after about this long (by the batches-resume beat task).
+BATCH_RUNNER_LEASE_S = envint("PAGODA_BATCH_RUNNER_LEASE_S", 30, minimum=2)
 # Bearer token for GET /metrics and the detailed GET /ready (staff sessions need none). Empty: only
 # staff may read them; /ready anonymously says ready or not and nothing else.
 METRICS_TOKEN = envstr("PAGODA_METRICS_TOKEN", "") or ""

@@ -22,6 +22,7 @@ urlpatterns = [
     path("v1/openapi.json", OpenApiSchemaApi.as_view(), name="openapi-schema"),
     path("v1/", include("tenants.api.urls")),
     path("v1/", include("inference.api.urls")),
+    path("v1/", include("batches.api.urls")),
     # Add further /v1 routes ABOVE this line: this catch-all must stay the last /v1 pattern, so
     # unknown /v1 URLs answer 404 in the OpenAI error shape instead of an HTML page.
     re_path(r"^v1(/.*)?$", v1_not_found),

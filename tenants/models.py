@@ -5,6 +5,8 @@ Models stay thin: fields, constraints and one-row properties. Behaviour lives in
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
@@ -166,6 +168,10 @@ class UsageRecord(models.Model):
     prompt_cache_key = models.CharField(max_length=64, blank=True, default="")
     # The service tier the request ran on (default, flex, priority).
     service_tier = models.CharField(max_length=16, blank=True, default="default")
+    # A Batch API line: its batch, and the price factor it is billed at (BATCH_PRICE_FACTOR; 1 for
+    # interactive requests). Billed tokens are total_tokens x price_factor.
+    batch_id = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    price_factor = models.DecimalField(max_digits=5, decimal_places=3, default=Decimal("1"))
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
 
     class Meta:

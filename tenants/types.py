@@ -55,6 +55,8 @@ class LedgerEntry:
     end_user: str = ""
     prompt_cache_key: str = ""
     service_tier: str = "default"
+    batch_id: str = ""  # the Batch API batch the request is a line of
+    price_factor: float = 1.0  # what a token costs here relative to an interactive one (batches: less)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,20 @@ from inference.gateway.reader import get_stream_reader
 
 # Cancel streams are read by every replica from where it joined; old entries only cost memory.
 CANCEL_STREAM_MAXLEN = 10_000
+# How long the marker of a request queued once is kept (longer than a batch's completion window).
+SUBMITTED_TTL_S = 2 * 24 * 3600
+# KEYS: the marker, the request stream; ARGV: the marker's TTL, then the request's fields.
+_SUBMIT_ONCE = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+  return 1
+end
+return 0
+"""
+
+
+def submitted_key(prefix: str, request_id: str) -> str:
+    return f"{prefix}submitted:{request_id}"
 
 
 class EngineGateway:
@@ -27,8 +41,22 @@ class EngineGateway:
         self.prefix = prefix
         self._interrupted = False  # a read found entries missing from an output stream
 
-    async def submit(self, request: GenerateRequest) -> None:
-        await get_async_redis().xadd(requests_stream(self.prefix, request.model), request.encode())
+    async def submit(self, request: GenerateRequest, *, once: bool = False) -> None:
+        """Queue the request. `once`: only if no request of this id was ever queued with `once`
+        (a marker kept for a day, set with the queueing in one script), so that work resumed after
+        a crash never queues a request twice; see `was_submitted`."""
+        stream = requests_stream(self.prefix, request.model)
+        if not once:
+            await get_async_redis().xadd(stream, request.encode())
+            return
+        fields = [item for pair in request.encode().items() for item in pair]
+        await get_async_redis().eval(
+            _SUBMIT_ONCE, 2, submitted_key(self.prefix, request.request_id), stream, SUBMITTED_TTL_S, *fields
+        )
+
+    async def was_submitted(self, request_id: str) -> bool:
+        """Whether a request of this id was queued with `submit(once=True)` (within a day)."""
+        return bool(await get_async_redis().exists(submitted_key(self.prefix, request_id)))
 
     async def cancel(self, *, model: str, request_ids: Iterable[str]) -> None:
         redis = get_async_redis()

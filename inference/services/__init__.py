@@ -13,6 +13,7 @@ from inference.services.generation import (
     Generation,
     GenerationUsage,
     collect_choices,
+    generation_attach,
     generation_start,
 )
 from inference.services.plans import (
@@ -35,6 +36,7 @@ __all__ = [
     "collect_choices",
     "completion_plan_create",
     "deployment_register",
+    "generation_attach",
     "generation_start",
     "model_context_limit",
     "prompt_tokenize",

@@ -173,6 +173,9 @@ class Generation:
     _taken_over: dict[str, float] = field(default_factory=dict)
     _last_delta_at: dict[str, float] = field(default_factory=dict)
     failovers: int = 0
+    # A Batch API line: its batch (in the ledger, billed at BATCH_PRICE_FACTOR), and its engine
+    # requests are queued at most once (EngineGateway.submit(once=True)).
+    batch_id: str = ""
 
     def __post_init__(self) -> None:
         self.usage = GenerationUsage(prompt_tokens=self.plan.prompt_tokens)
@@ -186,6 +189,8 @@ class Generation:
             end_user=plan.end_user,
             prompt_cache_key=plan.prompt_cache_key,
             service_tier=plan.service_tier,
+            batch_id=self.batch_id,
+            price_factor=float(settings.BATCH_PRICE_FACTOR) if self.batch_id else 1.0,
         )
 
     @property
@@ -249,6 +254,21 @@ class Generation:
         finally:
             # A task, so that a second cancellation of this one cannot interrupt the bookkeeping.
             await asyncio.shield(asyncio.ensure_future(self._finish()))
+
+    async def attach(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished | PromptLogprobs]:
+        """The events of this plan's engine requests, queued earlier by a process that is gone (a
+        batch runner that died), read from their first entry; nothing is reserved, queued or settled
+        here: the settler bills that process's reservation from the engines' records. The usage is
+        the engines' count."""
+        self._pending.update(self.plan.engine_request_ids)
+        try:
+            async for item in self._events():
+                yield item
+        finally:
+            await self.gateway.forget(self.plan.engine_request_ids)
+        self.usage.completion_tokens = sum(u.get("completion_tokens", 0) for u in self._engine_usage.values())
+        self.usage.cached_tokens = sum(u.get("cached_tokens", 0) for u in self._engine_usage.values())
+        self.status = "success"
 
     async def _take_queue_places(self) -> None:
         plan, limits = self.plan, self.auth.tenant_limits
@@ -325,7 +345,8 @@ class Generation:
                     priority=plan.priority,
                     weight=float(self.auth.tenant_limits.fair_share_weight),
                     deadline=deadline,
-                )
+                ),
+                once=bool(self.batch_id),
             )
 
     async def _events(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished | PromptLogprobs]:
@@ -550,6 +571,7 @@ async def generation_start(
     started_at: float | None = None,
     request_counted: bool = False,
     client_timeout_s: float | None = None,
+    batch_id: str = "",
 ) -> tuple[Generation, AsyncIterator[ChoiceDelta | ChoiceFinished]]:
     """Plan a validated chat or completion body (`kind`), reserve its tokens and queue it.
 
@@ -572,6 +594,7 @@ async def generation_start(
             started_at=started_at or time.perf_counter(),
             request_counted=True,
             client_timeout_s=min(timeouts) if timeouts else None,
+            batch_id=batch_id,
         )
         events = generation.run()
         await anext(events)  # admitted and queued
@@ -579,6 +602,16 @@ async def generation_start(
         metrics.record_refused(tenant=auth.tenant_slug, model=plan.model if plan else None, code=exc.code)
         raise
     return generation, events
+
+
+async def generation_attach(
+    *, auth: AuthContext, kind: str, data: dict[str, Any], request_id: str
+) -> tuple[Generation, AsyncIterator[ChoiceDelta | ChoiceFinished | PromptLogprobs]]:
+    """A generation queued under `request_id` by a process that died, planned again from the same
+    body (planning is deterministic) and read from its first event (Generation.attach)."""
+    plan = await blocking(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
+    generation = Generation(auth=auth, plan=plan, request_counted=True)
+    return generation, generation.attach()
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from tenants.services.admission import (
 from tenants.services.api_keys import (
     api_key_authenticate,
     api_key_authenticate_header,
+    api_key_context,
     api_key_create,
     api_key_digest,
     api_key_revoke,
@@ -42,6 +43,7 @@ __all__ = [
     "admission_settle",
     "api_key_authenticate",
     "api_key_authenticate_header",
+    "api_key_context",
     "api_key_create",
     "api_key_create_for_member",
     "api_key_digest",

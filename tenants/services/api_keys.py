@@ -199,6 +199,19 @@ def api_key_authenticate(*, raw_key: str) -> AuthContext:
     return context
 
 
+def api_key_context(*, api_key_id: int) -> AuthContext:
+    """The AuthContext of a stored key, for work it started that runs later (a batch's lines):
+    AuthenticationError once the key is revoked or expired, as its next request would get."""
+    api_key = ApiKey.objects.select_related("tenant", "tenant__limits").filter(pk=api_key_id).first()
+    if api_key is None or api_key.is_revoked:
+        raise AuthenticationError(
+            "The API key that created this work has been revoked.", code="invalid_api_key"
+        )
+    if api_key.is_expired:
+        raise AuthenticationError("The API key that created this work has expired.")
+    return _context_from_row(api_key)
+
+
 def api_key_authenticate_header(*, authorization: str | None) -> AuthContext:
     """The AuthContext of an `Authorization: Bearer <key>` header value, or AuthenticationError."""
     return api_key_authenticate(raw_key=bearer_token(authorization=authorization))

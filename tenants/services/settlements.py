@@ -51,6 +51,8 @@ def settlement_record(
         end_user=ledger.end_user,
         prompt_cache_key=ledger.prompt_cache_key,
         service_tier=ledger.service_tier,
+        batch_id=ledger.batch_id,
+        price_factor=ledger.price_factor,
         created_at=datetime.fromtimestamp(settlement.finished_at, tz=UTC) if settlement.finished_at else None,
     )
     keys = limiter.Keys(tenant_id=tenant_id, api_key_id=api_key_id)

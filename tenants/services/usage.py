@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
 
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Q, Sum, Value
@@ -35,6 +36,8 @@ def usage_record_create(
     end_user: str = "",
     prompt_cache_key: str = "",
     service_tier: str = "default",
+    batch_id: str = "",
+    price_factor: float = 1.0,
     created_at: datetime | None = None,
 ) -> UsageRecord:
     """Write the request's ledger row. Calling again for the same request id returns that row.
@@ -56,6 +59,8 @@ def usage_record_create(
         end_user=end_user or "",
         prompt_cache_key=prompt_cache_key or "",
         service_tier=service_tier or "default",
+        batch_id=batch_id or "",
+        price_factor=Decimal(str(price_factor)),
     )
     if created_at is not None:
         record.created_at = created_at

@@ -22,7 +22,9 @@ from inference.api.embeddings.schema import EmbeddingInputSerializer, EmbeddingL
 from inference.services import ChoiceFinished, GenerationPlan, GenerationUsage
 
 
-def _vectors(plan: GenerationPlan, finished: dict[int, str], dimensions: int | None) -> list[np.ndarray]:
+def embedding_vectors(
+    plan: GenerationPlan, finished: dict[int, str], dimensions: int | None
+) -> list[np.ndarray]:
     vectors = []
     for index in range(plan.n):
         vector = np.frombuffer(base64.b64decode(finished[index]), dtype="<f4")
@@ -80,7 +82,7 @@ class EmbeddingCreateApi(CountedRefusalsApi):
                 finished[item.index] = item.embedding
         if len(finished) != plan.n:
             raise PlatformError("The engine answered without every embedding.")
-        vectors = _vectors(plan, finished, data.get("dimensions"))
+        vectors = embedding_vectors(plan, finished, data.get("dimensions"))
         body = await blocking(body_json)(
             embedding_list_body(plan, vectors, generation.usage, data.get("encoding_format") or "float")
         )
