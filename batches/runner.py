@@ -160,19 +160,23 @@ async def _line(auth: Any, batch: Batch, row: BatchRequest, window_s: float) -> 
         response = {"status_code": auth.status_code, "request_id": "", "body": auth.as_body()}
         await blocking(batch_line_finish)(line_id=row.id, response=response, error=None)
         return False
-    outcome = await line_run(
-        auth=auth,
-        batch_id=batch.id,
-        endpoint=batch.endpoint,
-        line_id=row.id,
-        index=row.index,
-        body=row.body or {},
-        attempt=row.attempt,
-        window_s=window_s,
-    )
-    if outcome.retry:
+    try:
+        outcome = await line_run(
+            auth=auth,
+            batch_id=batch.id,
+            endpoint=batch.endpoint,
+            line_id=row.id,
+            index=row.index,
+            body=row.body or {},
+            attempt=row.attempt,
+            window_s=window_s,
+        )
+        if outcome.retry:
+            return True
+        await blocking(batch_line_finish)(line_id=row.id, response=outcome.response, error=outcome.error)
+    except Exception:  # the database or Redis away: the line is tried again (its attempt is on record)
+        logger.exception("batch %s line %d failed to run; it will be tried again", batch.id, row.index)
         return True
-    await blocking(batch_line_finish)(line_id=row.id, response=outcome.response, error=outcome.error)
     return False
 
 

@@ -174,8 +174,7 @@ def batch_create(
             param="input_file_id",
         )
     now = timezone.now()
-    _schedule_runner(tenant_id)
-    return Batch.objects.create(
+    batch = Batch.objects.create(
         id=_new_id("batch_"),
         tenant_id=tenant_id,
         api_key_id=api_key_id,
@@ -187,6 +186,8 @@ def batch_create(
         expires_at=now + timedelta(seconds=settings.BATCH_COMPLETION_WINDOW_S),
         created_at=now,
     )
+    _schedule_runner(tenant_id)
+    return batch
 
 
 RUN_TASK = "batches.tasks.batch_run"

@@ -127,9 +127,10 @@ def vllm_side(
         "batches": next(iter(by_size.values())),
         "check": check,
         "rounds": rounds,
-        # A decoder: vLLM's pooling runner pools its last token, normalized, by default (the
-        # vectors are checked against Pagoda's below).
-        "options": {},
+        # No prefix cache (vLLM keeps one for last-token pooling): every round embeds the same
+        # texts, and Pagoda's embedding engine computes each input whole. A decoder's vectors are
+        # its last token's, normalized, by vLLM's default (checked against Pagoda's below).
+        "options": {"enable_prefix_caching": False},
     }
     env = vllm_env(vllm_python, threads=int(os.environ.get("OMP_NUM_THREADS", "2")), kv_cache_gib=1)
     # vLLM takes sentence_bert_config.json's max_seq_length (256) as the model's limit; the texts
@@ -170,6 +171,11 @@ def main() -> None:
         help="minilm: all-MiniLM-L6-v2; smollm2: SmolLM2-135M embedding with last-token pooling",
     )
     args = parser.parse_args()
+    from engine.allocator import reexec_with_tcmalloc
+
+    # As an engine process runs (engine.allocator), and as vLLM's side runs (bench.common.vllm_env);
+    # sentence-transformers, in this process, gets it too.
+    reexec_with_tcmalloc(sys.argv)
 
     import numpy as np
     import torch

@@ -19,6 +19,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("dashboard/", include("tenants.dashboard.urls")),
     path("dashboard/", include("inference.dashboard.urls")),
+    path("dashboard/", include("batches.dashboard.urls")),
     path("v1/openapi.json", OpenApiSchemaApi.as_view(), name="openapi-schema"),
     path("v1/", include("tenants.api.urls")),
     path("v1/", include("inference.api.urls")),

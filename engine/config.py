@@ -47,6 +47,12 @@ class SchedulerConfig:
     # beyond max_num_batched_tokens): shorter steps while prompts arrive, so running streams keep
     # their pace between tokens; the same prompt work is spread over more steps.
     max_prefill_tokens_with_decodes: int = 0
+    # While a more important tier has sequences running, a step computes at most this many prompt
+    # tokens for sequences of less important tiers (the flex tier's batch lines beside interactive
+    # traffic), and none while a more important prompt waits to start or is being computed: the less
+    # important tier takes the capacity the other leaves without lengthening its steps much. None:
+    # no cap (tiers differ only in order and preemption).
+    lower_tier_prefill_tokens: int | None = 64
     # Order within a priority tier: "fair" (weighted fair share of service across tenants) or
     # "fcfs" (arrival order alone).
     policy: str = "fair"
@@ -61,6 +67,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_prefill_tokens_with_decodes < 0:
             raise ConfigError("max_prefill_tokens_with_decodes must be >= 0")
+        if self.lower_tier_prefill_tokens is not None and self.lower_tier_prefill_tokens < 0:
+            raise ConfigError("lower_tier_prefill_tokens must be >= 0")
         if self.policy not in ("fair", "fcfs"):
             raise ConfigError(f"policy must be fair or fcfs, got {self.policy!r}")
         if self.max_num_seqs < 1:

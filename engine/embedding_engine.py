@@ -15,6 +15,7 @@ input runs ends with queue_timeout, as a generation does. It answers the worker 
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import time
 from collections import OrderedDict, deque
@@ -80,6 +81,9 @@ class EmbeddingModel:
     vocab_size: int
     max_model_len: int  # the longest input the model's positions cover
     device: torch.device
+    # encode() gives each input's last token's state alone, one row per input (a decoder pooled
+    # from its last token: its last layer computes those rows only).
+    last_only: bool = False
 
 
 def load_embedding_model(config: EngineConfig) -> tuple[EmbeddingModel, Pooling]:
@@ -105,9 +109,14 @@ def load_embedding_model(config: EngineConfig) -> tuple[EmbeddingModel, Pooling]
     # The attention backend is never called: encode() attends without a KV cache.
     decoder = load_model(config.model, TorchAttentionBackend(), dtype=config.dtype, device=device)
     cfg = decoder.config
-    model = EmbeddingModel(decoder.encode, cfg.vocab_size, cfg.max_position_embeddings, device)
     has_pooling = (Path(config.model) / "modules.json").exists()
-    return model, load_pooling(config.model) if has_pooling else Pooling(mode="last", normalize=True)
+    pooling = load_pooling(config.model) if has_pooling else Pooling(mode="last", normalize=True)
+    if pooling.mode == "last":
+        encode: Encode = functools.partial(decoder.encode, last_only=True)
+        model = EmbeddingModel(encode, cfg.vocab_size, cfg.max_position_embeddings, device, last_only=True)
+    else:
+        model = EmbeddingModel(decoder.encode, cfg.vocab_size, cfg.max_position_embeddings, device)
+    return model, pooling
 
 
 class EmbeddingEngine:
@@ -234,7 +243,10 @@ class EmbeddingEngine:
         return outputs
 
     def _embed(self, flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        return pool(self.model.encode(flat, lengths), lengths, self.pooling)
+        states = self.model.encode(flat, lengths)
+        if self.model.last_only:  # already one row per input: its last token's
+            return pool(states, [1] * len(lengths), self.pooling)
+        return pool(states, lengths, self.pooling)
 
     def _schedule(self) -> list[tuple[EmbeddingJob, int]]:
         """(job, input index) pairs of the next step, in the waiting order."""

@@ -187,6 +187,7 @@ ENGINE_SETTINGS = {
     "fair_preempt_tokens_per_step": "int",
     "max_num_batched_tokens": "int",
     "max_prefill_tokens_with_decodes": "int",
+    "lower_tier_prefill_tokens": "int",
     "max_held": "int",
     "claim_timeout_ms": "int",
     "heartbeat_interval": "float",

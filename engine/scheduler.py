@@ -39,6 +39,34 @@ from engine.speculative import Speculator
 FINISH_QUEUE_TIMEOUT = ErrorCode.QUEUE_TIMEOUT
 
 
+class TierGate:
+    """The prompt tokens one step gives sequences of less important tiers than its most important
+    running one (SchedulerConfig.lower_tier_prefill_tokens): none while a prompt of that tier waits
+    to start or is being computed (its time to first token), else at most `cap`."""
+
+    def __init__(self, top: int | None, left: int | None) -> None:
+        self.top, self.left = top, left
+
+    @classmethod
+    def for_step(cls, cap: int | None, running: list[Sequence], first_waiting: Sequence | None) -> TierGate:
+        if cap is None or not running:
+            return cls(None, None)
+        top = min(s.priority for s in running)
+        if first_waiting is not None and first_waiting.priority <= top:
+            return cls(first_waiting.priority, 0)
+        prompt_in_progress = any(s.priority == top and s.num_uncomputed_tokens > 1 for s in running)
+        return cls(top, 0 if prompt_in_progress else cap)
+
+    def allow(self, seq: Sequence, tokens: int) -> int:
+        if self.left is None or self.top is None or seq.priority <= self.top:
+            return tokens
+        return min(tokens, self.left)
+
+    def charge(self, seq: Sequence, tokens: int) -> None:
+        if self.left is not None and self.top is not None and seq.priority > self.top:
+            self.left -= tokens
+
+
 class Scheduler:
     def __init__(
         self,
@@ -69,6 +97,7 @@ class Scheduler:
         self.requests: dict[str, list[Sequence]] = {}  # unfinished sequences by request id
         self.num_preemptions = 0
         self.preemption = Preemption(self)
+        self.tiers = TierGate(None, None)  # this step's (schedule() sets it)
         self.ends = RequestEnds(self)
         self.admission = Admission(self)
 
@@ -181,13 +210,17 @@ class Scheduler:
             and any(s.num_uncomputed_tokens == 1 for s in self.running)
         )
         prefill_budget = cap if decoding else self.config.max_num_batched_tokens
+        self.tiers = TierGate.for_step(
+            self.config.lower_tier_prefill_tokens, self.running, self.waiting.peek()
+        )
         i = 0
         while i < len(order) and budget > 0:
             seq: Sequence | None = order[i]
             assert seq is not None
             uncomputed = seq.num_uncomputed_tokens
             num_new = self.num_new_tokens(
-                uncomputed, budget if uncomputed == 1 else min(budget, prefill_budget)
+                uncomputed,
+                budget if uncomputed == 1 else self.tiers.allow(seq, min(budget, prefill_budget)),
             )
             if num_new == 0:
                 i += 1
@@ -212,6 +245,7 @@ class Scheduler:
                 budget -= num_new
                 if uncomputed > 1:
                     prefill_budget -= num_new
+                    self.tiers.charge(seq, num_new)
                 i += 1
 
         # Admitting while preempting for room would only evict what was just admitted on the next

@@ -88,6 +88,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="prompt tokens a step computes at most while sequences decode (bounds the longest gap"
         " between a stream's tokens as prompts arrive); 0: up to max-num-batched-tokens",
     )
+    cache.add_argument(
+        "--lower-tier-prefill-tokens",
+        type=int,
+        default=SchedulerConfig().lower_tier_prefill_tokens,
+        help="prompt tokens a step gives less important tiers (flex: batch lines) while a more"
+        " important one runs, none while its prompt starts; -1: no cap",
+    )
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve requests that name an adapter")
     lora.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
@@ -187,6 +194,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+            lower_tier_prefill_tokens=None
+            if args.lower_tier_prefill_tokens < 0
+            else args.lower_tier_prefill_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len,
             max_seqs_per_request=args.max_seqs_per_request,

@@ -106,6 +106,7 @@ EOF
   program engine 10 false "$PWD/$PY manage.py run_engine --model $MODEL_NAME"
   if [ -n "$EMBED_NAME" ]; then program engine-embed 10 false "$PWD/$PY manage.py run_engine --model $EMBED_NAME"; fi
   program celery-worker 20 false "$PWD/.venv/bin/celery -A config worker --loglevel=warning --concurrency=1 --without-gossip --without-mingle --without-heartbeat"
+  program celery-batches 20 false "nice -n 10 $PWD/.venv/bin/celery -A config worker -Q batches -n batches@%%h --loglevel=warning --concurrency=1 --without-gossip --without-mingle --without-heartbeat"
   program celery-beat 20 false "$PWD/.venv/bin/celery -A config beat --loglevel=warning --schedule=$VAR/celerybeat-schedule"
 } > "$CONF"
 
@@ -150,7 +151,7 @@ if [ -n "$EMBED_NAME" ]; then
 fi
 demo=$($PY manage.py create_demo_tenant --models "$models")
 
-ctl start web $engines celery-worker celery-beat >/dev/null
+ctl start web $engines celery-worker celery-batches celery-beat >/dev/null
 
 # Wait for the engine's first heartbeat, so the banner below means requests are served.
 for _ in $(seq 1 240); do

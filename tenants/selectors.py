@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 
-from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models import Count, DecimalField, ExpressionWrapper, F, Q, QuerySet, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
@@ -105,6 +105,13 @@ def usage_summary(*, tenant_id: int, start: date, end: date, group_by: Sequence[
     since = datetime.combine(start, time.min, tzinfo=UTC)
     until = datetime.combine(end, time.min, tzinfo=UTC) + timedelta(days=1)
     records = UsageRecord.objects.filter(tenant_id=tenant_id, created_at__gte=since, created_at__lt=until)
+    # Per row, under a name of its own: the sums below take the columns' names.
+    records = records.annotate(
+        row_billed_tokens=ExpressionWrapper(
+            (F("prompt_tokens") + F("completion_tokens")) * F("price_factor"),
+            output_field=DecimalField(max_digits=24, decimal_places=3),
+        )
+    )
     if "day" in group_by:
         records = records.annotate(day=TruncDate("created_at", tzinfo=UTC))
     fields = [name for dimension in group_by for name in _GROUP_FIELDS[dimension][0]]
@@ -118,6 +125,8 @@ def usage_summary(*, tenant_id: int, start: date, end: date, group_by: Sequence[
             prompt_tokens=Sum("prompt_tokens"),
             completion_tokens=Sum("completion_tokens"),
             cached_tokens=Sum("cached_tokens"),
+            # Tokens at their price factor: a batch line's count for less (BATCH_PRICE_FACTOR).
+            billed_tokens=Sum("row_billed_tokens"),
         )
         .order_by(*order)
     )

@@ -30,6 +30,8 @@ def test_compose_services_run_the_right_commands():
     assert "config.asgi:application" in _command(services["web"])
     assert "run_engine" in " ".join(_command(services["engine"]))
     assert _command(services["celery-worker"])[:4] == ["celery", "-A", "config", "worker"]
+    # Batch runners on a queue of their own (CELERY_TASK_ROUTES), which some worker must consume.
+    assert _command(services["celery-batches"])[:6] == ["celery", "-A", "config", "worker", "-Q", "batches"]
     assert _command(services["celery-beat"])[:4] == ["celery", "-A", "config", "beat"]
     assert _command(services["migrate"])[-3:] == ["manage.py", "migrate", "--noinput"]
 

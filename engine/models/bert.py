@@ -147,9 +147,10 @@ class _Layer(nn.Module):
         attended = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         start = 0
         for length in lengths:
-            # (heads, length, head_dim) per input: attention never crosses inputs.
-            q, k, v = qkv[start : start + length].permute(1, 2, 0, 3)
-            attended[start : start + length] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
+            # (1, heads, length, head_dim) per input: attention never crosses inputs. Four
+            # dimensions, or SDPA's CPU dispatch takes its unfused form.
+            q, k, v = qkv[start : start + length].permute(1, 2, 0, 3)[:, None]
+            attended[start : start + length] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
             start += length
         x = self.attn_norm(x + self.attn_out(attended.view(tokens, -1)))
         hidden = self.up(x)

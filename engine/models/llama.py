@@ -124,9 +124,11 @@ class LlamaAttention(nn.Module):
         sin_signed: torch.Tensor,
         lengths: list[int],
         sliding_window: int | None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Causal attention of each input over its own tokens only, inputs laid back to back, with no
-        KV cache: what a decoder computes when it embeds (LlamaForCausalLM.encode)."""
+        KV cache: what a decoder computes when it embeds (LlamaForCausalLM.encode). `last_only`:
+        only each input's last token asks (one row per input)."""
         qkv = self.qkv_proj(x)
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads(qkv, self.q_norm, self.k_norm)
@@ -137,26 +139,37 @@ class LlamaAttention(nn.Module):
         qk = apply_rope_signed(qk, cos, sin_signed)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        if self.num_kv_heads != self.num_heads:
+            # K/V repeated per query head: SDPA's fused CPU kernel takes no grouped heads (with
+            # enable_gqa it falls back to its unfused form, several times slower).
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        rows = len(lengths) if last_only else tokens
+        out = torch.empty(rows, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         start = 0
-        for length in lengths:
+        for i, length in enumerate(lengths):
             end = start + length
-            # (heads, length, head_dim) per input: attention never crosses inputs.
-            qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            # (1, heads, length, head_dim) per input: attention never crosses inputs. Four
+            # dimensions, or SDPA's CPU dispatch takes its unfused form.
+            qi, ki, vi = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
+            if last_only:  # the last token sees every key of its input (its window's, with one)
+                first = max(0, length - sliding_window) if sliding_window is not None else 0
+                attended = F.scaled_dot_product_attention(
+                    qi[:, :, -1:], ki[:, :, first:], vi[:, :, first:], scale=self.scale
+                )
+                out[i] = attended[0, :, 0]
+                start = end
+                continue
             if sliding_window is not None and length > sliding_window:
-                rows = torch.arange(length, device=x.device)
-                distance = rows[:, None] - rows[None, :]
+                positions = torch.arange(length, device=x.device)
+                distance = positions[:, None] - positions[None, :]
                 mask = (distance >= 0) & (distance < sliding_window)
-                attended = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True
-                )
+                attended = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale)
             else:
-                attended = F.scaled_dot_product_attention(
-                    qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True
-                )
-            out[start:end] = attended.transpose(0, 1)
+                attended = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
+            out[start:end] = attended[0].transpose(0, 1)
             start = end
-        return self.o_proj(out.view(tokens, self.q_size))
+        return self.o_proj(out.view(rows, self.q_size))
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: HeadRMSNorm, k_norm: HeadRMSNorm) -> None:
         """q and k normed per head in place in the fused projection, before the rotary embedding."""
@@ -204,6 +217,16 @@ class LlamaDecoderLayer(nn.Module):
         """forward() without a KV cache, each input attending to itself alone (encode)."""
         attn = self.self_attn.forward_packed(self.input_layernorm(x, delta), cos, sin, lengths, window)
         return self.mlp(self.post_attention_layernorm(x, attn))
+
+    def forward_last(self, x, delta, cos, sin, lengths: list[int], window: int | None):
+        """forward_packed() for each input's last token only: (its residual stream, its MLP output),
+        one row per input. The last layer of a last-token embedding needs no more."""
+        attn = self.self_attn.forward_packed(
+            self.input_layernorm(x, delta), cos, sin, lengths, window, last_only=True
+        )
+        ends = torch.tensor(lengths, device=x.device).cumsum(0) - 1
+        x_last = x.index_select(0, ends)
+        return x_last, self.mlp(self.post_attention_layernorm(x_last, attn))
 
 
 class LlamaModel(nn.Module):
@@ -276,18 +299,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, delta)
 
     @torch.inference_mode()
-    def encode(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, lengths: list[int], last_only: bool = False) -> torch.Tensor:
         """Final-norm token states (tokens, hidden_size) of inputs laid back to back, `lengths` tokens
         each, every input attending causally to itself alone and from position 0, with no KV cache:
-        what an embedding model built on this decoder pools (engine.embedding_engine)."""
+        what an embedding model built on this decoder pools (engine.embedding_engine). `last_only`:
+        each input's last token's state alone, (inputs, hidden_size); the last layer then computes
+        its attention output and MLP for those rows only."""
         x = self.model.embed_tokens(input_ids)
         self._use_fused(x.device)
         positions = torch.cat([torch.arange(n, device=x.device) for n in lengths])
         cos, sin_signed = self._cos_sin(positions, max(lengths), x.dtype)
         window = self.config.sliding_window
         delta = None
-        for layer in self.model.layers:
-            delta = cast(LlamaDecoderLayer, layer).forward_packed(x, delta, cos, sin_signed, lengths, window)
+        layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
+        for layer in layers[:-1] if last_only else layers:
+            delta = layer.forward_packed(x, delta, cos, sin_signed, lengths, window)
+        if last_only:
+            x, delta = layers[-1].forward_last(x, delta, cos, sin_signed, lengths, window)
         return self.model.norm(x, delta)
 
     def _cos_sin(

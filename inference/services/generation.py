@@ -220,6 +220,8 @@ class Generation:
                         for rid, prompt in zip(plan.engine_request_ids, plan.prompts, strict=True)
                     },
                     "bill_completion": not plan.discard_output,
+                    # A batch line runs on if this process dies: its next runner reads its output.
+                    "keep_running": bool(self.batch_id),
                 },
             )
         )

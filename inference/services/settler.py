@@ -8,7 +8,8 @@ Celery beat task; one sweep at a time across them) takes the rest:
 - a request whose owner is gone, once every engine request of it has ended: billed from the
   engines' usage records (engine.protocol.usage_key), idempotent by request id;
 - a request whose owner is gone and whose engine requests still run: nobody reads them, so they
-  are cancelled (the engine aborts them within a step and records their usage), and billed on a
+  are cancelled (except a batch line's: the runner that replaces its dead one reads it, so it runs
+  to its end and is billed then) (the engine aborts them within a step and records their usage), and billed on a
   later sweep; after ABANDONED_GRACE_S without a record, from what their output streams show.
 Its reservation is then released: the concurrency slot and the tokens reserved beyond the count.
 """
@@ -45,6 +46,9 @@ OWNER_ID = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 # before billing what its output streams show. A request still queued is aborted when a replica
 # takes it, within the replicas' cancel lookback (60 s).
 ABANDONED_GRACE_S = 75.0
+# How long a gone owner's request that asked to keep running (a batch line) is left to run before
+# it is cancelled as any other: longer than a batch's completion window.
+KEEP_RUNNING_MAX_S = 2 * 24 * 3600.0
 _LOCK_TTL_MS = 60_000
 _CANCEL_STREAM_MAXLEN = 10_000
 
@@ -172,6 +176,10 @@ def _settle_abandoned(open_: OpenSettlement, now: float) -> str:
     engine_requests = list(_engine_requests(open_))
     ended = _usage_records(engine_requests)
     running = [rid for rid in engine_requests if rid not in ended]
+    if running and open_.extra.get("keep_running") and now - open_.admitted_at < KEEP_RUNNING_MAX_S:
+        # A batch line: the runner that replaces its dead one reads its output, and it ends on its
+        # own (max_tokens, and a deadline at the batch's window); it is billed once it has.
+        return "waiting"
     if running:
         abandoned_at = open_.abandoned_at
         if abandoned_at is None:

@@ -78,9 +78,14 @@ class UsageListApi(ApiView):
         completion_tokens = serializers.IntegerField()
         cached_tokens = serializers.IntegerField()
         total_tokens = serializers.SerializerMethodField()
+        # total_tokens at each request's price factor (Batch API lines count at BATCH_PRICE_FACTOR).
+        billed_tokens = serializers.SerializerMethodField()
 
         def get_total_tokens(self, bucket: dict) -> int:
             return int(bucket["prompt_tokens"] or 0) + int(bucket["completion_tokens"] or 0)
+
+        def get_billed_tokens(self, bucket: dict) -> float:
+            return float(bucket.get("billed_tokens") or 0)
 
         def to_representation(self, instance):
             data = super().to_representation(instance)

@@ -14,6 +14,7 @@ from django.test import Client
 from batches import services
 from batches.lines import check_body
 from batches.models import Batch, BatchRequest, File
+from tests.helpers import logged_in
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the upload view reads in a thread of its own
 
@@ -205,3 +206,32 @@ def test_a_batch_whose_input_file_was_deleted_fails(world) -> None:
     services.file_delete(tenant_id=world.tenant_a.id, file_id=file_id)
     batch = services.batch_validate(batch_id=batch.id, check_body=check_body)
     assert batch.status == "failed" and batch.errors["data"][0]["code"] == "file_not_found"
+
+
+def test_the_dashboard_shows_a_tenants_batches_and_their_files_to_its_members_only(world) -> None:
+    file_id = _upload(world, _jsonl(_line(world, "a"), _line(world, "b"))).json()["id"]
+    batch = services.batch_create(
+        tenant_id=world.tenant_a.id,
+        api_key_id=world.key_a.id,
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=None,
+    )
+    services.batch_validate(batch_id=batch.id, check_body=check_body)
+    page = f"/dashboard/t/{world.tenant_a.slug}/batches/"
+    member, owner, outsider = logged_in(world.member_a), logged_in(world.owner_a), logged_in(world.outsider_b)
+    shown = member.get(page).content.decode()
+    assert f'data-batch="{batch.id}"' in shown and "0 / 2" in shown and "cancel-batch" not in shown
+    download = member.get(f"/dashboard/t/{world.tenant_a.slug}/files/{file_id}/")
+    assert download.status_code == 200 and b"".join(download.streaming_content).count(b"custom_id") == 2
+    assert member.post(f"/dashboard/t/{world.tenant_a.slug}/batches/{batch.id}/cancel/").status_code == 403
+    assert outsider.get(page).status_code == 404
+    own = f"/dashboard/t/{world.tenant_b.slug}"
+    assert outsider.get(f"{own}/files/{file_id}/").status_code == 404
+    assert outsider.post(f"{own}/batches/{batch.id}/cancel/").status_code == 404
+    assert batch.id not in outsider.get(f"{own}/batches/").content.decode()
+    assert "cancel-batch" in owner.get(page).content.decode()
+    cancelled = owner.post(f"/dashboard/t/{world.tenant_a.slug}/batches/{batch.id}/cancel/")
+    assert cancelled.status_code == 302
+    assert Batch.objects.get(id=batch.id).status == Batch.Status.CANCELLING

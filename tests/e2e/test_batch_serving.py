@@ -55,7 +55,11 @@ def platform(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[Plat
     media = tmp_path_factory.mktemp("batch-media")
     env = {
         "PAGODA_MEDIA_DIR": str(media),
-        "PAGODA_BATCH_RUNNER_LEASE_S": "3",
+        # A dead runner's lease outlives its owner key (and a settler sweep): the settler finds its
+        # lines abandoned before the next runner reads them, and must leave them running.
+        "PAGODA_BATCH_RUNNER_LEASE_S": "6",
+        "PAGODA_OWNER_TTL_S": "2",
+        "PAGODA_SETTLER_SWEEP_S": "1",
         "PAGODA_BATCH_RESUME_EVERY_SECONDS": "1",
         "PAGODA_BATCH_MAX_IN_FLIGHT": "4",
         "OMP_NUM_THREADS": "1",
@@ -254,9 +258,20 @@ def test_a_worker_killed_mid_batch_is_replaced_and_no_line_runs_twice(platform: 
     batch = client.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    wait_until(
-        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, timeout=300, interval=0.1
-    )
+
+    def running() -> dict[int, int]:
+        """Lines whose attempt reached the engines and has not finished: {index: attempt}."""
+        if Batch.objects.get(id=batch.id).completed < 2:
+            return {}
+        rows = BatchRequest.objects.filter(batch_id=batch.id, status="pending", attempt__gt=0)
+        redis = get_redis()
+        return {
+            index: attempt
+            for index, attempt in rows.values_list("index", "attempt")
+            if redis.exists(f"{settings.REDIS_PREFIX}submitted:{batch.id}-{index}-{attempt}")
+        }
+
+    in_flight = wait_until(running, timeout=300, interval=0.05, what="lines in flight after two finished")
     [worker] = [w for w in platform.workers if w.popen.poll() is None]
     worker.popen.send_signal(signal.SIGKILL)
     worker.popen.wait(timeout=30)
@@ -264,7 +279,12 @@ def test_a_worker_killed_mid_batch_is_replaced_and_no_line_runs_twice(platform: 
     platform.start_worker("worker-2")
     done = _wait_done(client, batch.id)
     assert done.status == "completed" and done.request_counts.completed == 16
-    assert sorted(_jsonl(client, done.output_file_id)) == sorted(f"k{i}" for i in range(16))
+    outputs = _jsonl(client, done.output_file_id)
+    assert sorted(outputs) == sorted(f"k{i}" for i in range(16))
+    # The lines the dead worker had queued were answered by that attempt (read back by its
+    # successor, or finished before the kill), not run again.
+    for index, attempt in in_flight.items():
+        assert outputs[f"k{index}"]["response"]["request_id"] == f"{batch.id}-{index}-{attempt}"
     # Each line reached the engines once: one queued engine request, one billed run.
     redis = get_redis()
     queued = [k.decode() for k in redis.scan_iter(match=f"{settings.REDIS_PREFIX}submitted:{batch.id}-*")]

@@ -143,7 +143,7 @@ def test_up_sh_restarts_what_dies_and_ctrl_c_stops_everything(tmp_path):
         assert "Traceback" not in log_text()
         # Only what was killed was started again: the others rode out the engine's and Redis's deaths.
         supervisor_log = (var / "supervisord.log").read_text()
-        for program in ("web", "celery-worker", "celery-beat"):
+        for program in ("web", "celery-worker", "celery-batches", "celery-beat"):
             assert supervisor_log.count(f"spawned: '{program}'") == 1, program
         assert supervisor_log.count("spawned: 'redis'") == 2
     finally:

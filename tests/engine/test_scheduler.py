@@ -579,3 +579,39 @@ def test_preemption_prefix_hits_and_an_abort_in_one_run_keep_every_block_and_kv_
     assert sched.num_preemptions > 0
     assert sched.block_manager.prefix_cache_stats()["hits"] > 0
     assert any(s.status is SequenceStatus.FINISHED_ABORTED for s in h.seqs)
+
+
+def test_a_less_important_tiers_prompts_yield_to_a_more_important_tiers_and_are_capped_beside_it():
+    """SchedulerConfig.lower_tier_prefill_tokens (64): a flex-tier batch line's prompt gets at most
+    64 tokens a step while a default-tier stream decodes, none in a step that starts a default-tier
+    prompt, and the whole budget when it runs alone."""
+    sched = make_scheduler(num_blocks=400, budget=256, max_model_len=512)
+    interactive = make_seq("i", [1] * 8, max_tokens=100, priority=1)
+    sched.add(interactive)
+    step(sched)
+    line = make_seq("b", [2] * 300, max_tokens=4, priority=2)
+    sched.add(line)
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "b": 64}
+    sched.add(make_seq("i2", [3] * 40, max_tokens=100, priority=1))
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "i2": 40}  # the default tier's first token is not held up
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "i2": 1, "b": 64}
+
+    alone = make_scheduler(num_blocks=400, budget=256, max_model_len=512)
+    alone.add(make_seq("b", [2] * 300, max_tokens=4, priority=2))
+    out, _ = step(alone)
+    assert chunks(out) == {"b": 256}
+    uncapped = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512, lower_tier_prefill_tokens=None
+        ),
+        CacheConfig(block_size=BS),
+        400,
+    )
+    uncapped.add(make_seq("i", [1] * 8, max_tokens=100, priority=1))
+    step(uncapped)
+    uncapped.add(make_seq("b", [2] * 300, max_tokens=4, priority=2))
+    out, _ = step(uncapped)
+    assert chunks(out) == {"i": 1, "b": 255}

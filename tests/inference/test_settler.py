@@ -29,7 +29,9 @@ def own_prefix(settings):
     settings.REDIS_PREFIX = f"{settings.REDIS_PREFIX}settler-{uuid.uuid4().hex[:8]}:"
 
 
-def _reserve(world, *, owner: str, engine_requests: dict[str, int], max_tokens: int = 100):
+def _reserve(
+    world, *, owner: str, engine_requests: dict[str, int], max_tokens: int = 100, keep_running: bool = False
+):
     auth = api_key_authenticate(raw_key=world.raw_key_a)
     request_id = uuid.uuid4().hex
     reservation = admission_reserve(
@@ -40,7 +42,7 @@ def _reserve(world, *, owner: str, engine_requests: dict[str, int], max_tokens: 
         request_id=request_id,
         ledger=LedgerEntry(model=world.model, end_user="user-7", service_tier="flex"),
         owner=owner,
-        extra={"engine_requests": engine_requests, "bill_completion": True},
+        extra={"engine_requests": engine_requests, "bill_completion": True, "keep_running": keep_running},
     )
     return reservation
 
@@ -157,6 +159,20 @@ def test_a_dead_owners_running_request_is_cancelled_then_billed_for_what_it_prod
     row = UsageRecord.objects.get(request_id=reservation.request_id)
     assert (row.prompt_tokens, row.completion_tokens, row.status) == (10, 42, "cancelled")
     assert _counters(world) == (0, 52)
+
+
+def test_a_dead_batch_runners_line_runs_on_for_its_successor_and_is_billed_once_it_ends(world):
+    rid = f"batch_x-0-1-{uuid.uuid4().hex[:6]}"
+    reservation = _reserve(world, owner="runner-that-died", engine_requests={rid: 10}, keep_running=True)
+    # Nobody cancels it: the runner that replaces the dead one reads its output.
+    assert settler_sweep(min_age_s=0).waiting == 1
+    assert settler_sweep(min_age_s=0).cancelled == 0
+    assert get_redis().xrange(cancel_stream(_prefix(), world.model)) == []
+    assert not UsageRecord.objects.filter(request_id=reservation.request_id).exists()
+    _engine_records({rid: Event.finished([FinishedOutput(index=0, finish_reason="length")], Usage(10, 100))})
+    assert settler_sweep(min_age_s=0).settled == 1
+    row = UsageRecord.objects.get(request_id=reservation.request_id)
+    assert (row.prompt_tokens, row.completion_tokens, row.status) == (10, 100, "success")
 
 
 def test_a_dead_owners_request_no_engine_answers_is_billed_from_its_stream_after_the_grace(

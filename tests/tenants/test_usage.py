@@ -180,6 +180,7 @@ def test_usage_api_groups_the_callers_tenant_only(world, api_client):
             "completion_tokens": 5,
             "cached_tokens": 2,
             "total_tokens": 15,
+            "billed_tokens": 15.0,
         },
         {
             "date": "2026-03-10",
@@ -189,6 +190,7 @@ def test_usage_api_groups_the_callers_tenant_only(world, api_client):
             "completion_tokens": 10,
             "cached_tokens": 0,
             "total_tokens": 30,
+            "billed_tokens": 30.0,
         },
     ]
     by_model = api_client.get("/v1/usage", {**query, "group_by": "model"}, **bearer(world.raw_key_a)).json()
@@ -205,8 +207,18 @@ def test_usage_api_groups_the_callers_tenant_only(world, api_client):
             "completion_tokens": 15,
             "cached_tokens": 2,
             "total_tokens": 45,
+            "billed_tokens": 45.0,
         },
     ]
+
+
+def test_batch_lines_are_billed_at_their_price_factor(world, api_client):
+    _record(world, "i1", prompt=10, completion=10, at=_at(DAY1, 3))
+    line = _record(world, "batch_x-0-1", prompt=30, completion=10, at=_at(DAY1, 4))
+    UsageRecord.objects.filter(pk=line.pk).update(batch_id="batch_x", price_factor="0.5")
+    query = {"start": "2026-03-01", "end": "2026-03-31", "group_by": "day"}
+    [bucket] = api_client.get("/v1/usage", query, **bearer(world.raw_key_a)).json()["data"]
+    assert (bucket["total_tokens"], bucket["billed_tokens"]) == (60, 40.0)
 
 
 def test_usage_range_is_inclusive_and_defaults_to_the_last_30_days(world, api_client):

@@ -1,0 +1,281 @@
+"""The Batch API on spare capacity: one tenant's batch of --requests lines beside a second tenant's
+interactive load, on one engine replica, through the whole stack (daphne, the engine, a Celery
+worker on the `batches` queue and Celery beat).
+
+Every request, interactive or batch line, is a completion of --prompt-tokens prompt tokens (token
+ids, so both sides ask the same work of the engine) and --max-tokens output tokens, greedy, EOS
+ignored. The interactive tenant runs --clients closed-loop streaming clients with --think-s of pause
+between requests (a load that leaves capacity spare). Phases, one after the other:
+
+  capacity     the same requests from --saturate clients at once, no pause: what the engine turns
+               out when it is busy (output tok/s).
+  alone        the interactive load alone for --duration-s: its p90 TTFT and output tok/s.
+  with_batch   the batch created, the same interactive load until the batch ends: the interactive
+               p90 TTFT and output tok/s again, and the batch's completion time and output tok/s.
+
+The batch's share of spare capacity is its output tok/s over (capacity - interactive output tok/s
+during the batch). Targets: interactive p90 TTFT within 1.2x of alone; batch share >= 0.8.
+
+    .venv/bin/python bench/batch.py                      # the bench random-weight model
+    .venv/bin/python bench/batch.py --model smollm2      # SmolLM2-135M
+
+Prints progress on stderr and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._stack import ROOT, UNTHROTTLED, create_stack  # noqa: E402
+from bench.common import PromptSource, bench_model_dir, log, percentile, real_model_dir  # noqa: E402
+
+
+def _body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _sdk_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The body as the SDK's arguments: vLLM's ignore_eos goes in extra_body."""
+    fields = dict(body)
+    extra = {"ignore_eos": fields.pop("ignore_eos")}
+    return {**fields, "extra_body": extra}
+
+
+class InteractiveLoad:
+    """Closed-loop streaming clients: TTFT per request, and each request's output tokens counted when
+    it ends (tok/s over a phase: the tokens of the requests that ended in it)."""
+
+    def __init__(
+        self, client: Any, model: str, prompts: list[list[int]], max_tokens: int, think_s: float
+    ) -> None:
+        self.client, self.model, self.prompts = client, model, prompts
+        self.max_tokens, self.think_s = max_tokens, think_s
+        self.ttfts: list[float] = []
+        self.tokens: list[tuple[float, int]] = []  # (when a request ended, its output tokens)
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+
+    def _client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            start = time.perf_counter()
+            try:
+                stream = self.client.completions.create(
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **_sdk_kwargs(_body(self.model, rng.choice(self.prompts), self.max_tokens)),
+                )
+                first = True
+                for chunk in stream:
+                    now = time.perf_counter()
+                    if first and chunk.choices and chunk.choices[0].text:
+                        self.ttfts.append(now - start)
+                        first = False
+                    if chunk.usage is not None:  # the last chunk: the request's output tokens
+                        self.tokens.append((now, chunk.usage.completion_tokens))
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                self.errors.append(repr(exc))
+            self.stop.wait(self.think_s)
+
+    def run(self, clients: int) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def figures(self, since: float, until: float) -> dict[str, float]:
+        count = sum(n for t, n in self.tokens if since <= t < until)
+        return {
+            "p90_ttft_ms": round(1000 * percentile(self.ttfts, 90), 1) if self.ttfts else 0.0,
+            "p50_ttft_ms": round(1000 * percentile(self.ttfts, 50), 1) if self.ttfts else 0.0,
+            "output_tok_s": round(count / (until - since), 1),
+            "requests": len(self.ttfts),
+        }
+
+
+def _phase(client, model, prompts, args, *, clients: int, think_s: float, until) -> dict[str, float]:
+    load = InteractiveLoad(client, model, prompts, args.max_tokens, think_s)
+    started = time.perf_counter()
+    threads = load.run(clients)
+    time.sleep(2.0)  # warm-up: the first requests' TTFTs are left out
+    load.ttfts.clear()
+    since = time.perf_counter()
+    until()
+    end = time.perf_counter()
+    load.stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    if load.errors:
+        log(f"{len(load.errors)} interactive errors, first: {load.errors[0]}")
+    figures = load.figures(since, end)
+    figures["seconds"] = round(end - started, 1)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=("bench", "smollm2"), default="bench")
+    parser.add_argument("--requests", type=int, default=1000, help="batch lines")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=2, help="interactive streaming clients")
+    parser.add_argument("--think-s", type=float, default=0.5)
+    parser.add_argument("--saturate", type=int, default=24, help="clients of the capacity phase")
+    parser.add_argument("--duration-s", type=float, default=30.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--in-flight", type=int, default=16, help="PAGODA_BATCH_MAX_IN_FLIGHT")
+    args = parser.parse_args()
+
+    import openai
+
+    model_dir = real_model_dir() if args.model == "smollm2" else bench_model_dir()
+    os.environ["PAGODA_BATCH_MAX_IN_FLIGHT"] = str(args.in_flight)
+    os.environ["PAGODA_BATCH_RESUME_EVERY_SECONDS"] = "2"
+    stack = create_stack(
+        model_dir=model_dir,
+        engine_settings={"max_num_seqs": 32, "kv_cache_memory": "1GiB"},
+        max_queued=max(64, args.saturate * 2, args.in_flight * 2),
+    )
+    os.environ["PAGODA_MEDIA_DIR"] = str(stack.work_dir / "media")
+    from tenants.services import api_key_create, tenant_create
+
+    other = tenant_create(
+        name=f"Interactive {stack.run_id}",
+        slug=f"interactive-{stack.run_id}",
+        allowed_models=[stack.model],
+        **UNTHROTTLED,
+        max_queued_requests=max(64, args.saturate * 2),
+    )
+    _, interactive_key = api_key_create(tenant=other, name="interactive")
+    figures: dict[str, Any] = {"model": args.model, "requests": args.requests, "threads": args.threads}
+    try:
+        log(f"starting the stack ({stack.work_dir})")
+        stack.start(threads=args.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        for name, argv in {
+            "celery-batches": ["worker", "-Q", "batches,celery", "--pool=solo", "--loglevel=info"],
+            "celery-beat": ["beat", "--loglevel=warning", f"--schedule={stack.work_dir / 'beat-schedule'}"],
+        }.items():
+            with open(stack.log_path(name), "wb") as out:
+                # The runner is background work, as scripts/up.sh runs it: at a lower CPU priority
+                # than the engine and the web process on a machine they share.
+                stack.processes[name] = subprocess.Popen(
+                    ["nice", "-n", "10", sys.executable, "-m", "celery", "-A", "config", *argv], cwd=ROOT,
+                    env=env, stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+        rng = random.Random(0)
+        source = PromptSource(model_dir, rng, real_text=args.model == "smollm2")
+        prompts = [source.take(args.prompt_tokens) for _ in range(64)]
+        interactive = openai.OpenAI(
+            base_url=stack.api_base, api_key=interactive_key, max_retries=0, timeout=600
+        )
+        batcher = openai.OpenAI(base_url=stack.api_base, api_key=stack.api_key, max_retries=0, timeout=600)
+
+        # Warm-up: the first requests of a fresh engine pay for its first step shapes.
+        for prompt in prompts[:4]:
+            interactive.completions.create(**_sdk_kwargs(_body(stack.model, prompt, args.max_tokens)))
+        log("capacity: the engine saturated")
+        figures["capacity"] = _phase(
+            interactive, stack.model, prompts, args, clients=args.saturate, think_s=0.0,
+            until=lambda: time.sleep(args.duration_s),
+        )  # fmt: skip
+        log(f"capacity: {figures['capacity']}")
+        log("alone: the interactive load")
+        figures["alone"] = _phase(
+            interactive, stack.model, prompts, args, clients=args.clients, think_s=args.think_s,
+            until=lambda: time.sleep(args.duration_s),
+        )  # fmt: skip
+        log(f"alone: {figures['alone']}")
+
+        lines = [
+            json.dumps(
+                {
+                    "custom_id": f"r{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": _body(stack.model, prompts[i % len(prompts)], args.max_tokens),
+                }  # fmt: skip
+            )
+            for i in range(args.requests)
+        ]
+        upload = io.BytesIO(("\n".join(lines) + "\n").encode())
+        file_id = batcher.files.create(file=("batch.jsonl", upload), purpose="batch").id
+        batch_info: dict[str, Any] = {}
+
+        def until_batch_done() -> None:
+            batch = batcher.batches.create(
+                input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+            )
+            started = time.perf_counter()
+            last = -1
+            while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                time.sleep(1.0)
+                batch = batcher.batches.retrieve(batch.id)
+                if batch.request_counts.completed // 100 != last // 100:
+                    last = batch.request_counts.completed
+                    log(f"batch: {batch.status}, {last} / {batch.request_counts.total}")
+            batch_info.update(batch=batch, seconds=time.perf_counter() - started)
+
+        log("with_batch: the interactive load beside the batch")
+        figures["with_batch"] = _phase(
+            interactive, stack.model, prompts, args, clients=args.clients, think_s=args.think_s,
+            until=until_batch_done,
+        )  # fmt: skip
+        batch = batch_info["batch"]
+        from tenants.models import UsageRecord
+
+        rows = UsageRecord.objects.filter(batch_id=batch.id, status="success")
+        batch_tokens = sum(r.completion_tokens for r in rows)
+        seconds = batch_info["seconds"]
+        figures["batch"] = {
+            "status": batch.status,
+            "completed": batch.request_counts.completed,
+            "failed": batch.request_counts.failed,
+            "seconds": round(seconds, 1),
+            "output_tok_s": round(batch_tokens / seconds, 1),
+            "price_factor": str(rows.first().price_factor) if rows else None,
+        }
+        spare = figures["capacity"]["output_tok_s"] - figures["with_batch"]["output_tok_s"]
+        figures["batch_share_of_spare"] = (
+            round(figures["batch"]["output_tok_s"] / spare, 3) if spare > 0 else None
+        )
+        figures["p90_ttft_ratio"] = round(
+            figures["with_batch"]["p90_ttft_ms"] / figures["alone"]["p90_ttft_ms"], 3
+        )
+        log(json.dumps(figures, indent=1))
+    except BaseException:
+        log(f"failed; the stack's logs are in {stack.keep_logs()}")
+        raise
+    finally:
+        stack.stop()
+        from batches.models import Batch, File
+        from tenants.models import Tenant, UsageRecord
+
+        # What this run wrote beyond the stack's own rows: batches hold their key, files their bytes.
+        for tenant_id in (stack.tenant_id, other.pk):
+            Batch.objects.filter(tenant_id=tenant_id).delete()
+            for file in File.objects.filter(tenant_id=tenant_id):
+                file.content.delete(save=False)
+                file.delete()
+        UsageRecord.objects.filter(tenant_id=other.pk).delete()
+        Tenant.objects.filter(pk=other.pk).delete()
+        stack.close()
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
