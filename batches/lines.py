@@ -28,10 +28,9 @@ from inference.api.base import generation_input
 from inference.api.chat_completions.views import ChatCompletionCreateApi
 from inference.api.completions.views import CompletionCreateApi
 from inference.api.embeddings.schema import EmbeddingInputSerializer
-from inference.api.embeddings.views import embedding_list_body, embedding_vectors
+from inference.api.embeddings.views import embedding_answer
 from inference.gateway import get_gateway
 from inference.services import (
-    ChoiceFinished,
     Generation,
     GenerationPlan,
     collect_choices,
@@ -140,14 +139,7 @@ async def _reached_engines(request_id: str, data: dict[str, Any], auth: Any, kin
 async def _answer(generation: Generation, events: AsyncIterator, data: dict[str, Any]) -> dict[str, Any]:
     plan: GenerationPlan = generation.plan
     if plan.inputs is not None:  # embeddings
-        finished: dict[int, str] = {}
-        async for item in events:
-            if isinstance(item, ChoiceFinished) and item.embedding is not None:
-                finished[item.index] = item.embedding
-        if len(finished) != plan.n:
-            raise PlatformError("The engine answered without every embedding.")
-        vectors = embedding_vectors(plan, finished, data.get("dimensions"))
-        return embedding_list_body(plan, vectors, generation.usage, data.get("encoding_format") or "float")
+        return await embedding_answer(generation, events, data)
     choices = await collect_choices(events, count=plan.n * len(plan.prompts), n=plan.n)
     render: Callable = (
         ChatCompletionCreateApi.render_body if plan.kind == "chat" else CompletionCreateApi.render_body

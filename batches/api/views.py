@@ -6,10 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 from django.http import FileResponse, HttpRequest
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 
 from batches import services
+from batches.api.schema import (
+    BatchListSerializer,
+    BatchObjectSerializer,
+    FileDeletedSerializer,
+    FileListSerializer,
+    FileObjectSerializer,
+    FileUploadSerializer,
+)
 from batches.models import Batch, File
 from core.api.base import ApiView, StrictSerializer, json_body, validated
 from core.api.openapi import api_errors
@@ -93,8 +102,9 @@ class FileListCreateApi(ApiView):
 
     @extend_schema(
         operation_id="createFile",
+        request={"multipart/form-data": FileUploadSerializer},
         summary="Upload a batch input file",
-        responses={200: dict, **api_errors(400, 413)},
+        responses={200: FileObjectSerializer, **api_errors(400, 413)},
     )
     def post(self, request: HttpRequest) -> dict[str, Any]:
         if not (request.content_type or "").startswith("multipart/form-data"):
@@ -112,7 +122,12 @@ class FileListCreateApi(ApiView):
         )
         return file_object(file)
 
-    @extend_schema(operation_id="listFiles", summary="List files", responses={200: dict, **api_errors(400)})
+    @extend_schema(
+        operation_id="listFiles",
+        summary="List files",
+        parameters=[ListQuerySerializer],
+        responses={200: FileListSerializer, **api_errors(400)},
+    )
     def get(self, request: HttpRequest) -> dict[str, Any]:
         query = validated(ListQuerySerializer, request.GET.dict())
         files = File.objects.filter(tenant_id=self.auth.tenant_id)
@@ -123,13 +138,17 @@ class FileListCreateApi(ApiView):
 
 class FileDetailApi(ApiView):
     @extend_schema(
-        operation_id="retrieveFile", summary="Retrieve a file", responses={200: dict, **api_errors(404)}
+        operation_id="retrieveFile",
+        summary="Retrieve a file",
+        responses={200: FileObjectSerializer, **api_errors(404)},
     )
     def get(self, request: HttpRequest, file_id: str) -> dict[str, Any]:
         return file_object(services.file_get(tenant_id=self.auth.tenant_id, file_id=file_id))
 
     @extend_schema(
-        operation_id="deleteFile", summary="Delete a file", responses={200: dict, **api_errors(404)}
+        operation_id="deleteFile",
+        summary="Delete a file",
+        responses={200: FileDeletedSerializer, **api_errors(404)},
     )
     def delete(self, request: HttpRequest, file_id: str) -> dict[str, Any]:
         file = services.file_delete(tenant_id=self.auth.tenant_id, file_id=file_id)
@@ -138,7 +157,9 @@ class FileDetailApi(ApiView):
 
 class FileContentApi(ApiView):
     @extend_schema(
-        operation_id="downloadFile", summary="A file's content", responses={200: bytes, **api_errors(404)}
+        operation_id="downloadFile",
+        summary="A file's content",
+        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **api_errors(404)},
     )
     def get(self, request: HttpRequest, file_id: str) -> FileResponse:
         file = services.file_get(tenant_id=self.auth.tenant_id, file_id=file_id)
@@ -170,7 +191,7 @@ class BatchListCreateApi(ApiView):
         operation_id="createBatch",
         summary="Create a batch",
         request=BatchCreateSerializer,
-        responses={200: dict, **api_errors(400, 404)},
+        responses={200: BatchObjectSerializer, **api_errors(400, 404)},
     )
     def post(self, request: HttpRequest) -> dict[str, Any]:
         data = validated(BatchCreateSerializer, json_body(request))
@@ -185,7 +206,10 @@ class BatchListCreateApi(ApiView):
         return batch_object(batch)
 
     @extend_schema(
-        operation_id="listBatches", summary="List batches", responses={200: dict, **api_errors(400)}
+        operation_id="listBatches",
+        parameters=[ListQuerySerializer],
+        summary="List batches",
+        responses={200: BatchListSerializer, **api_errors(400)},
     )
     def get(self, request: HttpRequest) -> dict[str, Any]:
         query = validated(ListQuerySerializer, request.GET.dict())
@@ -195,7 +219,9 @@ class BatchListCreateApi(ApiView):
 
 class BatchDetailApi(ApiView):
     @extend_schema(
-        operation_id="retrieveBatch", summary="Retrieve a batch", responses={200: dict, **api_errors(404)}
+        operation_id="retrieveBatch",
+        summary="Retrieve a batch",
+        responses={200: BatchObjectSerializer, **api_errors(404)},
     )
     def get(self, request: HttpRequest, batch_id: str) -> dict[str, Any]:
         return batch_object(services.batch_get(tenant_id=self.auth.tenant_id, batch_id=batch_id))
@@ -203,7 +229,10 @@ class BatchDetailApi(ApiView):
 
 class BatchCancelApi(ApiView):
     @extend_schema(
-        operation_id="cancelBatch", summary="Cancel a batch", responses={200: dict, **api_errors(404)}
+        operation_id="cancelBatch",
+        request=None,
+        summary="Cancel a batch",
+        responses={200: BatchObjectSerializer, **api_errors(404)},
     )
     def post(self, request: HttpRequest, batch_id: str) -> dict[str, Any]:
         return batch_object(services.batch_cancel(tenant_id=self.auth.tenant_id, batch_id=batch_id))

@@ -41,6 +41,17 @@ def _line(world, custom_id: str, **body) -> dict:
     }
 
 
+def _batch(world, file_id: str) -> Batch:
+    return services.batch_create(
+        tenant_id=world.tenant_a.id,
+        api_key_id=world.key_a.id,
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=None,
+    )
+
+
 def _jsonl(*lines) -> bytes:
     return b"".join(
         (line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines
@@ -138,14 +149,7 @@ def test_the_input_is_read_into_lines_and_bad_ones_fail_alone(world) -> None:
         {**_line(world, "extra"), "priority": 1},
     )
     file_id = _upload(world, content).json()["id"]
-    batch = services.batch_create(
-        tenant_id=world.tenant_a.id,
-        api_key_id=world.key_a.id,
-        input_file_id=file_id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata=None,
-    )
+    batch = _batch(world, file_id)
     batch = services.batch_validate(batch_id=batch.id, check_body=check_body)
     assert (batch.status, batch.total, batch.failed, batch.completed) == ("in_progress", 7, 6, 0)
     rows = {row.index: row for row in BatchRequest.objects.filter(batch=batch)}
@@ -165,14 +169,7 @@ def test_the_input_is_read_into_lines_and_bad_ones_fail_alone(world) -> None:
 
 def test_a_batch_cancelled_before_it_ran_ends_cancelled_with_every_line_in_the_error_file(world) -> None:
     file_id = _upload(world, _jsonl(_line(world, "a"), _line(world, "b"))).json()["id"]
-    batch = services.batch_create(
-        tenant_id=world.tenant_a.id,
-        api_key_id=world.key_a.id,
-        input_file_id=file_id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata=None,
-    )
+    batch = _batch(world, file_id)
     services.batch_validate(batch_id=batch.id, check_body=check_body)
     cancelled = Client().post(f"/v1/batches/{batch.id}/cancel", headers=world.headers()).json()
     assert cancelled["status"] == "cancelling" and cancelled["cancelling_at"] is not None
@@ -195,14 +192,7 @@ def test_a_batch_cancelled_before_it_ran_ends_cancelled_with_every_line_in_the_e
 
 def test_a_batch_whose_input_file_was_deleted_fails(world) -> None:
     file_id = _upload(world, _jsonl(_line(world, "a"))).json()["id"]
-    batch = services.batch_create(
-        tenant_id=world.tenant_a.id,
-        api_key_id=world.key_a.id,
-        input_file_id=file_id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata=None,
-    )
+    batch = _batch(world, file_id)
     services.file_delete(tenant_id=world.tenant_a.id, file_id=file_id)
     batch = services.batch_validate(batch_id=batch.id, check_body=check_body)
     assert batch.status == "failed" and batch.errors["data"][0]["code"] == "file_not_found"
@@ -210,14 +200,7 @@ def test_a_batch_whose_input_file_was_deleted_fails(world) -> None:
 
 def test_the_dashboard_shows_a_tenants_batches_and_their_files_to_its_members_only(world) -> None:
     file_id = _upload(world, _jsonl(_line(world, "a"), _line(world, "b"))).json()["id"]
-    batch = services.batch_create(
-        tenant_id=world.tenant_a.id,
-        api_key_id=world.key_a.id,
-        input_file_id=file_id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata=None,
-    )
+    batch = _batch(world, file_id)
     services.batch_validate(batch_id=batch.id, check_body=check_body)
     page = f"/dashboard/t/{world.tenant_a.slug}/batches/"
     member, owner, outsider = logged_in(world.member_a), logged_in(world.owner_a), logged_in(world.outsider_b)

@@ -5,6 +5,9 @@ ledger bills the input tokens."""
 
 from __future__ import annotations
 
+import io
+import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from tenants.models import UsageRecord
+from tests.e2e.processes import spawn
 from tests.e2e.stack import ServingStack, served_world
 from tests.helpers import wait_until
 
@@ -37,6 +41,7 @@ class Embeddings:
 
 @pytest.fixture(scope="module")
 def api(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[Embeddings]:
+    env = {"PAGODA_MEDIA_DIR": str(tmp_path_factory.mktemp("embed-media")), "OMP_NUM_THREADS": "1"}
     with served_world(
         committed_db,
         tmp_path_factory,
@@ -46,9 +51,21 @@ def api(committed_db, smollm2_dir: Path, tmp_path_factory) -> Iterator[Embedding
         model_dir=smollm2_dir,
         engine_settings={"max_num_seqs": 16},
         task="embed",
+        env=env,
         tenant_a={"name": "Decoder embeddings", "slug": "e2e-decoder-embeddings"},
     ) as (base, stack):
-        yield Embeddings(stack, stack.client(base.raw_key_a, timeout=180.0))
+        # A Batch API runner, for the embedding batch below.
+        log = tmp_path_factory.mktemp("embed-batches") / "worker.log"
+        worker = spawn(
+            "celery-batches",
+            [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "batches,celery", "--pool=solo"],
+            log,
+            **env,
+        )
+        try:
+            yield Embeddings(stack, stack.client(base.raw_key_a, timeout=180.0))
+        finally:
+            worker.stop(grace_s=5)
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +112,44 @@ def test_the_model_is_listed_billed_and_refuses_chat(api: Embeddings) -> None:
     with pytest.raises(openai.BadRequestError, match="computes embeddings") as refused:
         api.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert refused.value.code == "model_task_mismatch"
+
+
+def test_a_batch_of_embedding_lines_answers_as_the_endpoint_does(api: Embeddings) -> None:
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": MODEL, "input": text},
+        }
+        for i, text in enumerate(TEXTS)
+    ]
+    lines.append(
+        {
+            "custom_id": "empty",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": MODEL, "input": []},
+        }
+    )
+    data = "\n".join(json.dumps(line) for line in lines).encode()
+    file_id = api.client.files.create(file=("embed.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = api.client.batches.create(
+        input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    done = wait_until(
+        lambda: (b := api.client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+        timeout=300,
+        interval=0.5,
+        what="the embedding batch to end",
+    )
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 4, 1)
+    text = api.client.files.content(done.output_file_id).text
+    outputs = {row["custom_id"]: row for row in map(json.loads, text.splitlines())}
+    for i, text in enumerate(TEXTS):
+        body = outputs[f"e{i}"]["response"]["body"]
+        interactive = api.client.embeddings.create(model=MODEL, input=text, encoding_format="float")
+        assert body["object"] == "list" and body["usage"]["prompt_tokens"] == interactive.usage.prompt_tokens
+        assert np.allclose(body["data"][0]["embedding"], interactive.data[0].embedding, atol=1e-5)
+    [error] = map(json.loads, api.client.files.content(done.error_file_id).text.splitlines())
+    assert error["custom_id"] == "empty" and error["response"]["body"]["error"]["param"] == "input"

@@ -43,7 +43,7 @@ def client(world) -> Client:
         ("get", "/v1/"),
         ("get", "/v1/nope"),
         ("post", "/v1/nope"),
-        ("delete", "/v1/files/file-123"),
+        ("delete", "/v1/vector_stores/vs-123"),
         ("get", "/v1/usage/"),  # a trailing slash is another route, answered in place (no redirect)
         ("post", "/v1/chat/completions/"),
         ("post", "/v1/audio/speech"),

@@ -6,6 +6,7 @@ to `dimensions` and renormalized when asked."""
 from __future__ import annotations
 
 import base64
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from core.errors import InvalidRequestError, PlatformError
 from inference.api.base import CountedRefusalsApi, generation_input
 from inference.api.body_json import body_json
 from inference.api.embeddings.schema import EmbeddingInputSerializer, EmbeddingListSerializer
-from inference.services import ChoiceFinished, GenerationPlan, GenerationUsage
+from inference.services import ChoiceFinished, Generation, GenerationPlan, GenerationUsage
 
 
 def embedding_vectors(
@@ -62,6 +63,22 @@ def embedding_list_body(
     }
 
 
+async def embedding_answer(
+    generation: Generation, events: AsyncIterator, data: dict[str, Any]
+) -> dict[str, Any]:
+    """The list body of a started embedding generation, its events drained (the view's answer,
+    and a batch line's)."""
+    plan = generation.plan
+    finished: dict[int, str] = {}
+    async for item in events:
+        if isinstance(item, ChoiceFinished) and item.embedding is not None:
+            finished[item.index] = item.embedding
+    if len(finished) != plan.n:
+        raise PlatformError("The engine answered without every embedding.")
+    vectors = embedding_vectors(plan, finished, data.get("dimensions"))
+    return embedding_list_body(plan, vectors, generation.usage, data.get("encoding_format") or "float")
+
+
 def _body(request: HttpRequest) -> dict[str, Any]:
     return generation_input(json_body(request), EmbeddingInputSerializer)
 
@@ -75,15 +92,5 @@ class EmbeddingCreateApi(CountedRefusalsApi):
     )
     async def post(self, request: HttpRequest) -> HttpResponse:
         generation, events, data = await self.start_generation(request, kind="embedding", read=_body)
-        plan = generation.plan
-        finished: dict[int, str] = {}
-        async for item in events:
-            if isinstance(item, ChoiceFinished) and item.embedding is not None:
-                finished[item.index] = item.embedding
-        if len(finished) != plan.n:
-            raise PlatformError("The engine answered without every embedding.")
-        vectors = embedding_vectors(plan, finished, data.get("dimensions"))
-        body = await blocking(body_json)(
-            embedding_list_body(plan, vectors, generation.usage, data.get("encoding_format") or "float")
-        )
+        body = await blocking(body_json)(await embedding_answer(generation, events, data))
         return HttpResponse(body, content_type="application/json")
