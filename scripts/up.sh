@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run the whole platform on this machine: venv, migrations, a demo model, tenant, user
-# and key (printed), then web (daphne, through config.web_server), one engine worker, celery worker
-# and beat, all under supervisord, which restarts any that dies. Ctrl-C stops all.
+# and key (printed), then web (daphne, through config.web_server), one engine worker, celery worker,
+# a celery worker for batch runners (the `batches` queue, at a lower CPU priority) and beat, all under
+# supervisord, which restarts any that dies. Ctrl-C stops all.
 #
 # Zero-config: SQLite (var/db.sqlite3) when DATABASE_URL is unset, an embedded redis-server when
 # REDIS_URL is unset. Secrets are generated once into var/ unless SECRET_KEY / API_KEY_PEPPER are set.
