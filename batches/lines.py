@@ -104,7 +104,7 @@ async def line_run(
     try:
         data = line_data(endpoint, body)
         previous = request_id_of(batch_id, index, attempt) if attempt else ""
-        if previous and await _reached_engines(previous, data, auth, kind):
+        if previous and await _reached_engines(previous):
             generation, events = await generation_attach(auth=auth, kind=kind, data=data, request_id=previous)
             request_id = previous
         else:
@@ -129,7 +129,7 @@ async def line_run(
     return LineOutcome(response={"status_code": 200, "request_id": request_id, "body": body_out})
 
 
-async def _reached_engines(request_id: str, data: dict[str, Any], auth: Any, kind: str) -> bool:
+async def _reached_engines(request_id: str) -> bool:
     """Whether an attempt's engine requests were queued (a request of several prompts is queued
     under `<id>-<i>`; the first tells)."""
     gateway = get_gateway()
