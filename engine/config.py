@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.rules import default_max_seqs_per_request
+from engine.rules import DEFAULT_BLOCK_SIZE, default_max_seqs_per_request
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # Exactly one sizing rule applies: an explicit block count (tests, tiny pools), a byte budget
     # (CPU), or a fraction of free GPU memory measured after a warm-up forward (GPU).
     num_blocks: int | None = None

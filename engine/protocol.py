@@ -6,6 +6,12 @@ The Django side imports this module, engine.rules and engine.chat_template, neve
 Redis layout (every key starts with the deployment's prefix, e.g. "pagoda:"):
 - `{prefix}requests:{model}`     stream of GenerateRequest, consumer group `engines`; several replicas
                                  of one model share it; a request is acked when it has finished.
+- `{prefix}requests:{model}:replica:{replica_id}`  a replica's own request stream (same group):
+                                 requests routed to it by prefix (inference.gateway.routing); it
+                                 reads it before the shared one, and an idle replica steals its
+                                 entries that waited past the steal delay.
+- `{prefix}routes:{model}`       set of the replica ids that have a request stream of their own.
+- `{prefix}prefix:{model}:{hash}`  the replica a prompt prefix was last routed to, with a TTL.
 - `{prefix}out:{request_id}`     stream of events for one request (delta, finished, error), with a TTL;
                                  replayable, so a late or reconnecting reader loses nothing.
                                  Entry ids are `<ms>-<n>`: the replica that runs the request numbers its
@@ -66,6 +72,18 @@ class ProtocolError(ValueError):
 
 def requests_stream(prefix: str, model: str) -> str:
     return f"{prefix}requests:{model}"
+
+
+def replica_requests_stream(prefix: str, model: str, replica_id: str) -> str:
+    return f"{prefix}requests:{model}:replica:{replica_id}"
+
+
+def routes_key(prefix: str, model: str) -> str:
+    return f"{prefix}routes:{model}"
+
+
+def prefix_route_key(prefix: str, model: str, block_hash: str) -> str:
+    return f"{prefix}prefix:{model}:{block_hash}"
 
 
 def output_stream(prefix: str, request_id: str) -> str:
@@ -303,6 +321,10 @@ class ReplicaStats:
     # Speculative decoding since start: draft tokens verified, and those accepted.
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Requests taken since start from this replica's own stream (routed to it by prefix), and
+    # stolen from other replicas' streams where they waited past the steal delay.
+    num_routed_requests: int = 0
+    num_stolen_requests: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     # Shutting down: it finishes what runs but takes nothing new (not ready; still live).

@@ -41,6 +41,15 @@ def default_max_seqs_per_request(max_num_seqs: int) -> int:
     return max(1, max_num_seqs // 4, min(2, max_num_seqs - 1))
 
 
+# Tokens per KV-cache block: the unit of the prefix cache, and of the prefix hashes the web tier
+# routes by (a deployment's engine_settings block_size).
+DEFAULT_BLOCK_SIZE = 16
+
+
+def engine_block_size(engine_settings: dict[str, Any] | None) -> int:
+    return int((engine_settings or {}).get("block_size") or DEFAULT_BLOCK_SIZE)
+
+
 def max_seqs_per_request(engine_settings: dict[str, Any] | None) -> int:
     """The `n` a deployment's engines accept, from its engine_settings (the same rule as
     engine.config.SchedulerConfig, so that the web tier refuses what the engine would)."""
@@ -190,6 +199,7 @@ ENGINE_SETTINGS = {
     "lower_tier_prefill_tokens": "int",
     "max_held": "int",
     "claim_timeout_ms": "int",
+    "steal_after_ms": "int",
     "heartbeat_interval": "float",
     "drain_grace_s": "float",
     "max_failovers": "int",

@@ -165,6 +165,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="times a streaming request may be continued by another replica after losing its own",
     )
     redis_opts.add_argument(
+        "--steal-after-ms",
+        type=int,
+        default=500,
+        help="an idle replica takes requests routed to another replica that waited this long; 0: never",
+    )
+    redis_opts.add_argument(
         "--drain-grace-s",
         type=float,
         default=30.0,
@@ -246,6 +252,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         max_held=args.max_held or 2 * args.max_num_seqs,
         drain_grace_s=args.drain_grace_s,
         max_failovers=args.max_failovers,
+        steal_after_ms=args.steal_after_ms,
     )
 
 

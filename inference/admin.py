@@ -84,6 +84,8 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
         "tool_call_parser",
         "reasoning_parser",
         "engine_settings",
+        "prefix_routing",
+        "max_queued_requests",
         "enabled",
         "replicas",
         "created_at",
@@ -106,7 +108,7 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
             return "No live replica."
         rows = format_html_join(
             "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {}</td><td>{} / {}</td></tr>",
             (
                 # format_html escapes its arguments to strings first, so numbers are formatted here.
                 (
@@ -117,13 +119,16 @@ class ModelDeploymentAdmin(admin.ModelAdmin):
                     f"{s.prefix_cache_hit_rate:.1%}",
                     s.num_free_blocks,
                     s.num_total_blocks,
+                    s.num_routed_requests,
+                    s.num_stolen_requests,
                 )
                 for s in stats
             ),
         )
         return format_html(
             "<table><thead><tr><th>replica</th><th>running</th><th>waiting</th><th>KV usage</th>"
-            "<th>prefix hit rate</th><th>free / total blocks</th></tr></thead><tbody>{}</tbody></table>",
+            "<th>prefix hit rate</th><th>free / total blocks</th><th>routed / stolen requests</th></tr></thead>"
+            "<tbody>{}</tbody></table>",
             rows,
         )
 

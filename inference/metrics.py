@@ -144,6 +144,23 @@ class EngineCollector(Collector):
                 "Speculative draft tokens accepted since the live replicas started",
                 labels=["model"],
             ),
+            # Per replica: prefix routing (inference.gateway.routing) at work.
+            "routed": GaugeMetricFamily(
+                "pagoda_engine_replica_routed_requests",
+                "Requests a replica took from its own queue (routed to it by prefix) since it started",
+                labels=["model", "replica"],
+            ),
+            "stolen": GaugeMetricFamily(
+                "pagoda_engine_replica_stolen_requests",
+                "Requests a replica took from other replicas' queues (they waited past the steal "
+                "delay) since it started",
+                labels=["model", "replica"],
+            ),
+            "replica_hit": GaugeMetricFamily(
+                "pagoda_engine_replica_prefix_cache_hit_rate",
+                "A replica's prefix-cache hit rate",
+                labels=["model", "replica"],
+            ),
         }
 
     def collect(self):
@@ -165,6 +182,11 @@ class EngineCollector(Collector):
                 families["total"].add_metric(name, sum(s.num_total_blocks for s in stats))
                 families["drafted"].add_metric(name, sum(s.spec_num_draft_tokens for s in stats))
                 families["accepted"].add_metric(name, sum(s.spec_num_accepted_tokens for s in stats))
+                for s in stats:
+                    labels = [deployment.name, s.replica_id]
+                    families["routed"].add_metric(labels, s.num_routed_requests)
+                    families["stolen"].add_metric(labels, s.num_stolen_requests)
+                    families["replica_hit"].add_metric(labels, s.prefix_cache_hit_rate)
         except Exception:  # a scrape must not fail because the database or Redis blinked
             logger.exception("could not collect engine gauges")
         yield from families.values()

@@ -99,6 +99,12 @@ class ModelDeployment(models.Model):
         help_text="Requests waiting to start on this model, all tenants together; beyond it a 429 "
         "with Retry-After. Empty: unlimited.",
     )
+    prefix_routing = models.BooleanField(
+        default=True,
+        help_text="Queue each request to the replica that holds its prompt's prefix in cache (by tenant "
+        "and prompt, or prompt_cache_key), within a bounded load; idle replicas take what waits. Off: "
+        "every replica reads one shared queue.",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
 

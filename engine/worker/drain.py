@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.protocol import ErrorCode, Event
+from engine.worker.queue import EntryRef
 
 if TYPE_CHECKING:
     from engine.worker.loop import EngineWorker
@@ -32,7 +33,7 @@ class Drain:
         request that breaks every replica taking it.
         """
         w = self.worker
-        entries: list[bytes] = []
+        entries: list[EntryRef] = []
         for held in list(w.held.values()):
             if held.has_streamed and not w.settings.max_failovers:
                 w.end(held, Event.error(message, code, held.usage()))
@@ -66,6 +67,8 @@ class Drain:
         here. Checked on every iteration of a drain: a sequence preempted before its first token is
         unstarted again. The engine's view is read, never changed: its scheduler's running list."""
         w = self.worker
+        # Requests routed here before the web tier saw the drain go to the shared stream.
+        w.queue.retire(w.settings.replica_id)
         running = w.engine.running_request_ids()
         unstarted = [h for h in w.held.values() if not h.has_streamed and h.request_id not in running]
         if not unstarted:

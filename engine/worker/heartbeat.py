@@ -57,6 +57,8 @@ class Heartbeat:
             num_resumed_tokens=load.num_resumed_tokens,
             spec_num_draft_tokens=load.spec_num_draft_tokens,
             spec_num_accepted_tokens=load.spec_num_accepted_tokens,
+            num_routed_requests=self.queue.num_routed,
+            num_stolen_requests=self.queue.num_stolen,
             started_at=self.started_at,
             heartbeat_at=time.time(),
             draining=draining,

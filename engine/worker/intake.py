@@ -15,6 +15,7 @@ from engine.protocol import ErrorCode, Event, GenerateRequest, ProtocolError, Us
 from engine.resume import Resume
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.worker.outputs import HeldRequest
+from engine.worker.queue import EntryRef
 from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -151,6 +152,17 @@ class Intake:
         for message_id, fields in entries:
             self.take(message_id, fields)
 
+    def steal(self) -> None:
+        """Take requests routed to other replicas that waited there past the steal delay; only while
+        this replica's engine has nobody waiting (it would start them now)."""
+        w = self.worker
+        room = w.max_held - len(w.held)
+        if room <= 0 or w.settings.steal_after_ms <= 0 or w.engine.load().num_waiting:
+            return
+        for message_id, fields in w.queue.steal(room, w.settings.steal_after_ms):
+            logger.info("stole request entry %s from %s", message_id.id, message_id.stream)
+            self.take(message_id, fields)
+
     def reclaim(self) -> None:
         w = self.worker
         room = w.max_held - len(w.held)
@@ -171,7 +183,9 @@ class Intake:
             )
             self.take(message_id, fields, reclaimed=True, deliveries=deliveries)
 
-    def take(self, message_id: bytes, fields: dict, *, reclaimed: bool = False, deliveries: int = 1) -> None:
+    def take(
+        self, message_id: EntryRef, fields: dict, *, reclaimed: bool = False, deliveries: int = 1
+    ) -> None:
         w = self.worker
         try:
             request = GenerateRequest.decode(fields)
@@ -215,7 +229,7 @@ class Intake:
             return
         w.held[request.request_id] = held
 
-    def _take_over(self, request: GenerateRequest, message_id: bytes, deliveries: int) -> Takeover:
+    def _take_over(self, request: GenerateRequest, message_id: EntryRef, deliveries: int) -> Takeover:
         w = self.worker
         try:
             seen, _ = w.queue.take_over(request.request_id)

@@ -33,7 +33,7 @@ from engine.worker.drain import Drain
 from engine.worker.heartbeat import Heartbeat
 from engine.worker.intake import Intake
 from engine.worker.outputs import HeldRequest, events_for_output
-from engine.worker.queue import CONNECTION_ERRORS, RequestQueue
+from engine.worker.queue import CONNECTION_ERRORS, EntryRef, RequestQueue
 from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class EngineWorker:
         self.held: dict[str, HeldRequest] = {}
         self.cancelled: dict[str, float] = {}  # cancels of requests not (yet) held here -> when seen
         self.events: list[tuple[str, Event]] = []
-        self.acks: list[bytes] = []
+        self.acks: list[EntryRef] = []
         self._stopping = False
         self._force_stop = False
         self.heartbeat = Heartbeat(engine, queue, settings)
@@ -93,6 +93,7 @@ class EngineWorker:
         self._next_touch = now + self.settings.touch_interval_s
         self._next_reclaim = now
         self._next_orphan_check = now
+        self._next_steal = now
         self._next_heartbeat = now + self.settings.heartbeat_interval_s
         self._drain_deadline: float | None = None
         try:
@@ -146,6 +147,9 @@ class EngineWorker:
             self._next_orphan_check = now + self.settings.heartbeat_interval_s
         if not self._stopping:
             self.intake.read_new(block=not self.engine.has_unfinished_requests())
+            if now >= self._next_steal:
+                self.intake.steal()
+                self._next_steal = now + self.settings.steal_interval_s
         # After the reads: a request cancelled while this replica blocked on the stream is
         # aborted before its first step.
         self._apply_cancels()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import DeltaOutput, ErrorCode, Event, FinishedOutput, FinishReason, Usage
+from engine.worker.queue import EntryRef
 
 
 @dataclass(slots=True)
@@ -18,7 +19,7 @@ class HeldRequest:
     """A request this replica has taken from the stream and not yet acked."""
 
     request_id: str
-    message_id: bytes  # id of the entry in the requests stream; acked when the request ends
+    message_id: EntryRef  # its entry in a request stream; acked when the request ends
     n: int
     num_prompt_tokens: int
     num_cached_tokens: int = 0

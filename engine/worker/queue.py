@@ -1,13 +1,23 @@
-"""The Redis side of a replica: its model's request stream (consumer group), cancels, outputs, heartbeat.
+"""The Redis side of a replica: its model's request streams (one consumer group each), cancels,
+outputs, heartbeat.
 
-Every call here is one round trip; the worker loop decides when to make it.
+A model's requests are in its shared stream and in one stream per replica (requests the web tier
+routed to that replica by prefix, inference.gateway.routing). A replica reads its own stream, then
+the shared one; an idle one steals from other replicas' streams what waited there past the steal
+delay; a replica that leaves moves what nobody read from its stream to the shared one, and the
+stream of a replica whose heartbeat lapsed is moved the same way by the others. Reclaim, orphan
+claims, touches, acks and hand-backs work on every stream: an entry is known by its stream and id
+(EntryRef).
+
+Most calls here are one round trip; the worker loop decides when to make them.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections import defaultdict
+from typing import Any, NamedTuple
 
 import redis
 
@@ -18,14 +28,33 @@ from engine.protocol import (
     cancel_request_id,
     cancel_stream,
     output_stream,
+    replica_requests_stream,
     replica_stats_key,
     replicas_key,
     requests_stream,
+    routes_key,
     usage_key,
 )
-from engine.worker.scripts import ACK_OWNED_SCRIPT, HAND_BACK_SCRIPT, TAKE_OVER_SCRIPT, TOUCH_SCRIPT
+from engine.worker.scripts import (
+    ACK_OWNED_SCRIPT,
+    HAND_BACK_SCRIPT,
+    READ_NEW_SCRIPT,
+    RETIRE_SCRIPT,
+    STEAL_SCRIPT,
+    TAKE_OVER_SCRIPT,
+    TOUCH_SCRIPT,
+)
 
-Entry = tuple[bytes, dict[bytes, bytes]]
+
+class EntryRef(NamedTuple):
+    """A request entry: the stream it is in (the model's shared stream or a replica's own) and its id."""
+
+    stream: str
+    id: bytes
+
+
+Entry = tuple[EntryRef, dict[bytes, bytes]]
+Claimed = tuple[EntryRef, dict[bytes, bytes], int]  # with how often it was delivered
 
 # Redis unreachable (down, restarting, a network blip): the worker waits for it, keeping its work.
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -71,7 +100,9 @@ class RequestQueue:
         self.model = model
         self.replica_id = replica_id
         self.prefix = prefix
-        self.stream = requests_stream(prefix, model)
+        self.stream = requests_stream(prefix, model)  # shared by the model's replicas
+        self.own_stream = replica_requests_stream(prefix, model, replica_id)
+        self.routes = routes_key(prefix, model)
         self.cancels = cancel_stream(prefix, model)
         self.output_ttl_s = output_ttl_s
         self._expire_set_at: dict[str, float] = {}  # output stream -> when its TTL was last set
@@ -80,123 +111,230 @@ class RequestQueue:
         self._hand_back = client.register_script(HAND_BACK_SCRIPT)
         self._take_over = client.register_script(TAKE_OVER_SCRIPT)
         self._ack_owned = client.register_script(ACK_OWNED_SCRIPT)
+        self._read_new = client.register_script(READ_NEW_SCRIPT)
+        self._steal = client.register_script(STEAL_SCRIPT)
+        self._retire = client.register_script(RETIRE_SCRIPT)
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self._autoclaim_cursor: bytes | str = "0-0"
+        self._autoclaim_cursors: dict[str, bytes | str] = {}
         self._cancel_cursor: bytes | str = "0-0"
         # Output stream entry ids of the requests this replica writes to: [stamp ms, next number].
         self._entry_ids: dict[str, list[int]] = {}
         # A batch whose round trip failed (Redis went away), with the entry ids it was given: sent
         # again, as it was, before anything newer.
         self._unsent: list[tuple[str, Event, str]] = []
-        self._unsent_acks: list[bytes] = []
+        self._unsent_acks: list[EntryRef] = []
+        # Since start: entries taken from this replica's own stream, and stolen from others'.
+        self.num_routed = 0
+        self.num_stolen = 0
 
     # --- requests -------------------------------------------------------------------------------
 
     def ensure_group(self) -> None:
         # From id 0, not "$": requests queued before the first replica ever started are served too.
-        try:
-            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in (self.stream, self.own_stream):
+            try:
+                self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self.client.sadd(self.routes, self.replica_id)
+
+    def streams(self) -> list[str]:
+        """Every request stream of the model: the shared one, this replica's, the other replicas'."""
+        others = sorted(_text(r) for r in self.client.smembers(self.routes) if _text(r) != self.replica_id)
+        return [
+            self.stream,
+            self.own_stream,
+            *(replica_requests_stream(self.prefix, self.model, r) for r in others),
+        ]
 
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
-        reply = self.client.xreadgroup(
-            CONSUMER_GROUP, self.replica_id, {self.stream: ">"}, count=count, block=block_ms
-        )
-        return _entries(reply)
-
-    def read_own_pending(self, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
-        """Entries still held under this replica id by an earlier process of the same id."""
-        entries = _entries(
-            self.client.xreadgroup(CONSUMER_GROUP, self.replica_id, {self.stream: "0"}, count=count)
-        )
-        return self._with_deliveries(entries)
-
-    def autoclaim(self, min_idle_ms: int, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
-        """Claim entries idle past the timeout (their replica died); with how often each was delivered."""
-        reply = self.client.xautoclaim(
-            self.stream, CONSUMER_GROUP, self.replica_id, min_idle_ms, self._autoclaim_cursor, count=count
-        )
-        self._autoclaim_cursor = reply[0]
-        # Entries trimmed from the stream while pending are listed apart (Redis 7); Redis deletes
-        # them from the group itself.
-        return self._with_deliveries([(_b(mid), fields or {}) for mid, fields in reply[1]])
-
-    def claim_orphans(self, count: int) -> list[tuple[bytes, dict[bytes, bytes], int]]:
-        """Claim the entries held by replicas whose heartbeat lapsed (dead, or cut off from Redis),
-        at once rather than after the claim timeout; with how often each was delivered."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.zrangebyscore(replicas_key(self.prefix, self.model), time.time() - self.heartbeat_ttl_s, "+inf")
-        pipe.xpending(self.stream, CONSUMER_GROUP)
-        live_ids, summary = pipe.execute()
-        live = {_text(r) for r in live_ids} | {self.replica_id}
-        orphaned = [_text(c["name"]) for c in summary.get("consumers") or () if _text(c["name"]) not in live]
-        claimed: list[Entry] = []
-        for consumer in orphaned:
-            if len(claimed) >= count:
-                break
-            rows = self.client.xpending_range(
-                self.stream, CONSUMER_GROUP, "-", "+", count - len(claimed), consumername=consumer
-            )
-            if not rows:
-                continue
-            reply: list[Any] = self.client.xclaim(
-                self.stream,
+        """Up to `count` entries nobody has read: this replica's own first, then the shared stream's;
+        when both are empty, a read of both that blocks up to `block_ms` (None: none)."""
+        keys = [self.own_stream, self.stream]
+        args: list[str | int] = [CONSUMER_GROUP, self.replica_id, count]
+        try:
+            own, shared = self._read_new(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Taken for a lost replica while this one stalled, its stream was retired: open it again.
+            self.ensure_group()
+            own, shared = self._read_new(keys=keys, args=args)
+        entries = [*_script_entries(self.own_stream, own), *_script_entries(self.stream, shared)]
+        if not entries and block_ms is not None:
+            reply = self.client.xreadgroup(
                 CONSUMER_GROUP,
                 self.replica_id,
-                ORPHAN_MIN_IDLE_MS,
-                [row["message_id"] for row in rows],
+                {self.own_stream: ">", self.stream: ">"},
+                count=count,
+                block=block_ms,
             )
-            # An entry trimmed while pending comes back without fields; Redis drops it from the group.
-            claimed.extend((_b(mid), fields) for mid, fields in reply if fields)
+            entries = _entries(reply)
+        self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
+        return entries
+
+    def steal(self, count: int, min_age_ms: int) -> list[Entry]:
+        """Entries routed to other replicas that nobody read for `min_age_ms` (their replica is
+        busy, stalled or gone), oldest first, up to `count`."""
+        cutoff = f"{max(0, int(time.time() * 1000) - min_age_ms)}-{2**64 - 1}"
+        stolen: list[Entry] = []
+        for stream in self.streams()[2:]:
+            if len(stolen) >= count:
+                break
+            rows = self._steal(
+                keys=[stream], args=[CONSUMER_GROUP, self.replica_id, cutoff, count - len(stolen)]
+            )
+            stolen.extend(_script_entries(stream, rows))
+        self.num_stolen += len(stolen)
+        return stolen
+
+    def read_own_pending(self, count: int) -> list[Claimed]:
+        """Entries still held under this replica id by an earlier process of the same id."""
+        entries: list[Entry] = []
+        for stream in self.streams():
+            if len(entries) >= count:
+                break
+            try:
+                reply = self.client.xreadgroup(
+                    CONSUMER_GROUP, self.replica_id, {stream: "0"}, count=count - len(entries)
+                )
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue  # a stream retired meanwhile
+            entries.extend(_entries(reply))
+        return self._with_deliveries(entries)
+
+    def autoclaim(self, min_idle_ms: int, count: int) -> list[Claimed]:
+        """Claim entries idle past the timeout (their replica died); with how often each was delivered."""
+        claimed: list[Entry] = []
+        for stream in self.streams():
+            if len(claimed) >= count:
+                break
+            try:
+                reply = self.client.xautoclaim(
+                    stream,
+                    CONSUMER_GROUP,
+                    self.replica_id,
+                    min_idle_ms,
+                    self._autoclaim_cursors.get(stream, "0-0"),
+                    count=count - len(claimed),
+                )
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue
+            self._autoclaim_cursors[stream] = reply[0]
+            # Entries trimmed from the stream while pending are listed apart (Redis 7); Redis deletes
+            # them from the group itself.
+            claimed.extend((EntryRef(stream, _b(mid)), fields or {}) for mid, fields in reply[1])
         return self._with_deliveries(claimed)
 
-    def _with_deliveries(self, entries: list[Entry]) -> list[tuple[bytes, dict[bytes, bytes], int]]:
+    def claim_orphans(self, count: int) -> list[Claimed]:
+        """Claim the entries held by replicas whose heartbeat lapsed (dead, or cut off from Redis),
+        at once rather than after the claim timeout; with how often each was delivered. The
+        entries nobody read from such a replica's own stream go to the shared stream, and its
+        stream is deleted once nothing in it is pending (RETIRE_SCRIPT)."""
+        streams = self.streams()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrangebyscore(replicas_key(self.prefix, self.model), time.time() - self.heartbeat_ttl_s, "+inf")
+        for stream in streams:
+            pipe.xpending(stream, CONSUMER_GROUP)
+        live_ids, *summaries = pipe.execute(raise_on_error=False)
+        if isinstance(live_ids, Exception):
+            raise live_ids
+        live = {_text(r) for r in live_ids} | {self.replica_id}
+        for replica in sorted({_text(r) for r in self.client.smembers(self.routes)} - live):
+            self.retire(replica)
+        claimed: list[Entry] = []
+        for stream, summary in zip(streams, summaries, strict=True):
+            if isinstance(summary, redis.ResponseError):
+                continue  # NOGROUP: retired meanwhile
+            if isinstance(summary, Exception):
+                raise summary
+            orphaned = [
+                _text(c["name"]) for c in summary.get("consumers") or () if _text(c["name"]) not in live
+            ]
+            for consumer in orphaned:
+                if len(claimed) >= count:
+                    break
+                rows = self.client.xpending_range(
+                    stream, CONSUMER_GROUP, "-", "+", count - len(claimed), consumername=consumer
+                )
+                if not rows:
+                    continue
+                reply: list[Any] = self.client.xclaim(
+                    stream,
+                    CONSUMER_GROUP,
+                    self.replica_id,
+                    ORPHAN_MIN_IDLE_MS,
+                    [row["message_id"] for row in rows],
+                )
+                # An entry trimmed while pending comes back without fields; Redis drops it from the group.
+                claimed.extend((EntryRef(stream, _b(mid)), fields) for mid, fields in reply if fields)
+        return self._with_deliveries(claimed)
+
+    def retire(self, replica_id: str) -> int:
+        """A replica's own stream, as it leaves (or after it was lost): what nobody read goes to the
+        shared stream at once; the stream is deleted once nothing in it is pending. Returns how
+        many entries were moved."""
+        stream = replica_requests_stream(self.prefix, self.model, replica_id)
+        return int(self._retire(keys=[stream, self.stream, self.routes], args=[CONSUMER_GROUP, replica_id]))
+
+    def _with_deliveries(self, entries: list[Entry]) -> list[Claimed]:
         if not entries:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for mid, _ in entries:
-            pipe.xpending_range(self.stream, CONSUMER_GROUP, mid, mid, 1)
+        for ref, _ in entries:
+            pipe.xpending_range(ref.stream, CONSUMER_GROUP, ref.id, ref.id, 1)
         deliveries = [rows[0]["times_delivered"] if rows else 1 for rows in pipe.execute()]
-        return [(mid, fields, d) for (mid, fields), d in zip(entries, deliveries, strict=True)]
+        return [(ref, fields, d) for (ref, fields), d in zip(entries, deliveries, strict=True)]
 
-    def touch(self, message_ids: list[bytes]) -> set[bytes]:
+    def touch(self, refs: list[EntryRef]) -> set[EntryRef]:
         """Reset the idle time of entries this replica holds; returns those it still owns."""
-        if not message_ids:
-            return set()
-        owned = self._touch(keys=[self.stream], args=[CONSUMER_GROUP, self.replica_id, *message_ids])
-        return {_b(mid) for mid in owned}
+        owned: set[EntryRef] = set()
+        for stream, ids in _by_stream(refs).items():
+            still = self._touch(keys=[stream], args=[CONSUMER_GROUP, self.replica_id, *ids])
+            owned.update(EntryRef(stream, _b(mid)) for mid in still)
+        return owned
 
-    def hand_back(self, message_ids: list[bytes]) -> set[bytes]:
-        """Give unstarted entries back to the stream at once, as new entries any replica reads next
-        (their delivery counts start again); returns those handed back (the ones still ours)."""
-        if not message_ids:
-            return set()
-        handed = self._hand_back(keys=[self.stream], args=[CONSUMER_GROUP, self.replica_id, *message_ids])
-        return {_b(mid) for mid in handed}
+    def hand_back(self, refs: list[EntryRef]) -> set[EntryRef]:
+        """Give unstarted entries back at once, as new entries of the shared stream that any replica
+        reads next (their delivery counts start again); returns those handed back (the ones still ours)."""
+        handed: set[EntryRef] = set()
+        for stream, ids in _by_stream(refs).items():
+            done = self._hand_back(keys=[stream, self.stream], args=[CONSUMER_GROUP, self.replica_id, *ids])
+            handed.update(EntryRef(stream, _b(mid)) for mid in done)
+        return handed
 
-    def release(self, message_ids: list[bytes]) -> None:
+    def release(self, refs: list[EntryRef]) -> None:
         """Hand entries back unanswered, claimable at once by any replica's next XAUTOCLAIM, which
         counts the delivery (the guard against a request that kills every replica taking it)."""
-        if message_ids:
+        for stream, ids in _by_stream(refs).items():
             self.client.xclaim(
-                self.stream,
+                stream,
                 CONSUMER_GROUP,
                 self.replica_id,
                 0,
-                list[Any](message_ids),  # redis-py's stubs take a list of any id type (lists are invariant)
+                list[Any](ids),  # redis-py's stubs take a list of any id type (lists are invariant)
                 idle=_RELEASED_IDLE_MS,
                 justid=True,
             )
 
     def leave_group(self) -> None:
-        """Remove this consumer on a clean exit; only when it holds nothing, so nothing is dropped."""
-        rows = self.client.xpending_range(
-            self.stream, CONSUMER_GROUP, "-", "+", 1, consumername=self.replica_id
-        )
-        if not rows:
-            self.client.xgroup_delconsumer(self.stream, CONSUMER_GROUP, self.replica_id)
+        """On a clean exit: this replica's own stream is retired, and it leaves each stream's group
+        where it holds nothing, so nothing is dropped."""
+        self.retire(self.replica_id)
+        for stream in self.streams():
+            try:
+                rows = self.client.xpending_range(
+                    stream, CONSUMER_GROUP, "-", "+", 1, consumername=self.replica_id
+                )
+                if not rows:
+                    self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, self.replica_id)
+            except redis.ResponseError:
+                continue  # retired: its group went with it
 
     # --- outputs --------------------------------------------------------------------------------
 
@@ -210,7 +348,7 @@ class RequestQueue:
             del self._entry_ids[request_id]
         return entry_id
 
-    def publish(self, events: list[tuple[str, Event]], acks: list[bytes]) -> None:
+    def publish(self, events: list[tuple[str, Event]], acks: list[EntryRef]) -> None:
         """All of one step's events and acks in one round trip; acks go last so nothing is acked unsent.
 
         Each event gets its entry id here, once. When the round trip fails (a ConnectionError
@@ -252,8 +390,8 @@ class RequestQueue:
                 for rid, stamp in self._entry_ids.items()
                 if rid in live or stamp[0] / 1000 >= time.time() - self.output_ttl_s
             }
-        if acks:
-            self._ack_owned(keys=[self.stream], args=[CONSUMER_GROUP, self.replica_id, *acks], client=pipe)
+        for stream, ids in _by_stream(acks).items():
+            self._ack_owned(keys=[stream], args=[CONSUMER_GROUP, self.replica_id, *ids], client=pipe)
         results = pipe.execute(raise_on_error=False)
         self._unsent, self._unsent_acks = [], []
         for index in xadds:
@@ -274,18 +412,25 @@ class RequestQueue:
         return max(self.output_ttl_s, USAGE_TTL_MIN_S)
 
     def trim_answered(self, retention_s: float) -> None:
-        """Drop the stream's entries of answered requests older than `retention_s` (their prompts'
-        token ids with them). Never an entry still pending in a replica or not yet delivered: the
-        cut is at the oldest of those, or at the retention horizon if that is older."""
-        cut = (max(0, int((time.time() - retention_s) * 1000)), 0)
-        summary = self.client.xpending(self.stream, CONSUMER_GROUP)
-        if summary.get("pending"):
-            cut = min(cut, _stream_id(summary["min"]))
-        for group in self.client.xinfo_groups(self.stream):
-            if _text(group["name"]) == CONSUMER_GROUP:
-                ms, seq = _stream_id(group["last-delivered-id"])
-                cut = min(cut, (ms, seq + 1))
-        self.client.xtrim(self.stream, minid=f"{cut[0]}-{cut[1]}", approximate=False)
+        """Drop the entries of answered requests older than `retention_s` (their prompts' token ids
+        with them) from every request stream of the model. Never an entry still pending in a
+        replica or not yet delivered: the cut is at the oldest of those, or at the retention horizon
+        if that is older."""
+        horizon = (max(0, int((time.time() - retention_s) * 1000)), 0)
+        for stream in self.streams():
+            try:
+                summary = self.client.xpending(stream, CONSUMER_GROUP)
+                groups = self.client.xinfo_groups(stream)
+            except redis.ResponseError:
+                continue  # retired meanwhile
+            cut = horizon
+            if summary.get("pending"):
+                cut = min(cut, _stream_id(summary["min"]))
+            for group in groups:
+                if _text(group["name"]) == CONSUMER_GROUP:
+                    ms, seq = _stream_id(group["last-delivered-id"])
+                    cut = min(cut, (ms, seq + 1))
+            self.client.xtrim(stream, minid=f"{cut[0]}-{cut[1]}", approximate=False)
 
     def take_over(self, request_id: str) -> tuple[list[Event], bool]:
         """A request's output stream as it stands, for a replica taking it over; and whether it was
@@ -313,8 +458,8 @@ class RequestQueue:
     def read_cancels(self, count: int = 1000) -> list[str]:
         reply = self.client.xread({self.cancels: self._cancel_cursor}, count=count)
         ids: list[str] = []
-        for mid, fields in _entries(reply):
-            self._cancel_cursor = mid
+        for ref, fields in _entries(reply):
+            self._cancel_cursor = ref.id
             request_id = cancel_request_id(fields)
             if request_id:
                 ids.append(request_id)
@@ -342,11 +487,38 @@ class RequestQueue:
         pipe.execute()
 
 
+def model_request_streams(client: redis.Redis, prefix: str, model: str) -> list[str]:
+    """Every request stream of a model: its shared stream, then each routed replica's own."""
+    replicas = sorted(_text(r) for r in client.smembers(routes_key(prefix, model)))
+    return [requests_stream(prefix, model), *(replica_requests_stream(prefix, model, r) for r in replicas)]
+
+
 def _entries(reply: Any) -> list[Entry]:
     if not reply:
         return []
     # RESP2 replies: [[stream, [(id, fields), ...]], ...]; fields is None for an entry deleted while pending.
-    return [(_b(mid), fields or {}) for _, entries in reply for mid, fields in entries]
+    return [
+        (EntryRef(_text(stream), _b(mid)), fields or {})
+        for stream, entries in reply
+        for mid, fields in entries
+    ]
+
+
+def _script_entries(stream: str, rows: Any) -> list[Entry]:
+    """Entries as a script returns them: [[id, [field, value, ...]], ...]."""
+    entries: list[Entry] = []
+    for mid, flat in rows or ():
+        flat = flat or []
+        fields = {_b(k): _b(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
+        entries.append((EntryRef(stream, _b(mid)), fields))
+    return entries
+
+
+def _by_stream(refs: list[EntryRef]) -> dict[str, list[bytes]]:
+    grouped: dict[str, list[bytes]] = defaultdict(list)
+    for ref in refs:
+        grouped[ref.stream].append(ref.id)
+    return grouped
 
 
 def _b(value: bytes | str) -> bytes:

@@ -16,8 +16,8 @@ end
 return owned
 """
 
-# Hand entries this consumer owns back to the stream as new entries, which the next XREADGROUP '>'
-# of any replica takes at once (a released pending entry waits for someone's XAUTOCLAIM, every few
+# Hand entries this consumer owns (in KEYS[1]) back to the model's shared stream (KEYS[2]) as new
+# entries, which the next XREADGROUP '>' of any replica takes at once (a released pending entry waits for someone's XAUTOCLAIM, every few
 # seconds). In one script: the copy is added exactly when the original is acked, and only for an
 # entry still ours (one another replica reclaimed from us is its to answer). The original is
 # deleted too: acked, it would keep a second copy of the prompt until trimmed. The copy is marked
@@ -38,7 +38,7 @@ for i = 3, #ARGV do
       end
       fields[#fields + 1] = 'handed'
       fields[#fields + 1] = '1'
-      redis.call('XADD', KEYS[1], '*', unpack(fields))
+      redis.call('XADD', KEYS[2], '*', unpack(fields))
     end
     redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
     redis.call('XDEL', KEYS[1], ARGV[i])
@@ -88,3 +88,79 @@ for i = 3, #ARGV do
 end
 return acked
 """
+
+# A replica's read of new entries: up to ARGV[3] from its own stream (KEYS[1]), then what room is
+# left from the shared stream (KEYS[2]), in one round trip. Returns {own entries, shared entries}.
+READ_NEW_SCRIPT = """
+local count = tonumber(ARGV[3])
+local out = {{}, {}}
+for k = 1, 2 do
+  if count > 0 then
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[k], '>')
+    if reply then
+      out[k] = reply[1][2]
+      count = count - #out[k]
+    end
+  end
+end
+return out
+"""
+
+# The id after which a group has delivered nothing yet (its last-delivered-id), or nil.
+_LAST_DELIVERED = """
+local function last_delivered(stream, group)
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local name, last = nil, nil
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then last = g[i + 1] end
+    end
+    if name == group then return last end
+  end
+  return nil
+end
+"""
+
+# Steal from another replica's stream (KEYS[1]) the entries nobody has read that were added at or
+# before ARGV[3] (an id: now less the steal delay), at most ARGV[4], oldest first, as consumer
+# ARGV[2]. In one script: the entries counted are exactly the ones read.
+STEAL_SCRIPT = (
+    _LAST_DELIVERED
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local last = last_delivered(KEYS[1], ARGV[1])
+if not last then return {} end
+local waiting = redis.call('XRANGE', KEYS[1], '(' .. last, ARGV[3], 'COUNT', ARGV[4])
+if #waiting == 0 then return {} end
+local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', #waiting, 'STREAMS', KEYS[1], '>')
+if not reply then return {} end
+return reply[1][2]
+"""
+)
+
+# Retire replica ARGV[2]'s own stream (KEYS[1]), as it leaves or once it is lost: the entries nobody
+# read move to the shared stream (KEYS[2]) as new entries; when nothing in it is pending any more,
+# the stream is deleted and the replica leaves the set of routed replicas (KEYS[3]). The web tier
+# queues to a replica's stream only while it exists, so nothing is added to it after. Returns how
+# many entries moved.
+RETIRE_SCRIPT = (
+    _LAST_DELIVERED
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[3], ARGV[2])
+  return 0
+end
+local last = last_delivered(KEYS[1], ARGV[1])
+local waiting = redis.call('XRANGE', KEYS[1], '(' .. (last or '0-0'), '+')
+for _, entry in ipairs(waiting) do
+  redis.call('XADD', KEYS[2], '*', unpack(entry[2]))
+  redis.call('XDEL', KEYS[1], entry[1])
+end
+local pending = 0
+if last then pending = tonumber(redis.call('XPENDING', KEYS[1], ARGV[1])[1]) end
+if pending == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[3], ARGV[2])
+end
+return #waiting
+"""
+)

@@ -38,6 +38,9 @@ class WorkerSettings:
     # Requests held at once (running + waiting in the engine); the rest stay in the shared stream
     # where another replica can take them. 0: 256 (`engine serve` passes twice its max_num_seqs).
     max_held: int = 0
+    # An idle replica takes requests routed to another replica's stream that nobody read for this
+    # long (that replica is busy, stalled or gone). 0: never.
+    steal_after_ms: int = 500
     # How far back the cancel stream is read at start, to see cancels of requests taken later.
     cancel_lookback_s: float = 60.0
     # A draining replica (first SIGTERM) gives this long to the sequences it runs; then every request
@@ -59,6 +62,8 @@ class WorkerSettings:
             raise ConfigError("idle_block_ms and max_deliveries must be >= 1, max_held >= 0")
         if self.max_failovers < 0:
             raise ConfigError(f"max_failovers must be >= 0, got {self.max_failovers}")
+        if self.steal_after_ms < 0:
+            raise ConfigError(f"steal_after_ms must be >= 0, got {self.steal_after_ms}")
         if self.drain_grace_s < 0:
             raise ConfigError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
@@ -66,6 +71,11 @@ class WorkerSettings:
     def touch_interval_s(self) -> float:
         # Three touches per timeout: a replica must miss several in a row to lose its requests.
         return self.claim_timeout_ms / 3000
+
+    @property
+    def steal_interval_s(self) -> float:
+        # Looked for a few times per delay, at most every 50 ms (a round trip per other replica).
+        return max(0.05, self.steal_after_ms / 4000)
 
     @property
     def reclaim_interval_s(self) -> float:

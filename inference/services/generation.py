@@ -41,6 +41,7 @@ from inference.gateway import (
     ready_replica_ids_async,
 )
 from inference.gateway.queue_bounds import queue_place_release, queue_place_take
+from inference.gateway.routing import RouteHint
 from inference.services.logprob_bounds import prompt_logprob_volume_check
 from inference.services.plans import (
     GenerationPlan,
@@ -349,6 +350,11 @@ class Generation:
                     deadline=deadline,
                 ),
                 once=bool(self.batch_id),
+                route=RouteHint(
+                    enabled=plan.prefix_routing,
+                    block_size=plan.block_size,
+                    prompt_cache_key=plan.prompt_cache_key,
+                ),
             )
 
     async def _events(self) -> AsyncIterator[ChoiceDelta | ChoiceFinished | PromptLogprobs]:

@@ -23,7 +23,8 @@ from typing import Any
 from django.conf import settings
 
 from core.redis_client import get_redis
-from engine.protocol import CONSUMER_GROUP, ReplicaStats, replica_stats_key, requests_stream
+from engine.protocol import CONSUMER_GROUP, ReplicaStats, replica_stats_key
+from engine.worker.queue import model_request_streams
 from tests.conftest import World, make_world
 from tests.e2e.processes import E2E_METRICS_TOKEN, STARTUP_TIMEOUT_S, Process, start_engine, start_web
 from tests.helpers import wait_until
@@ -77,9 +78,12 @@ class ServingStack:
 
     def holders(self) -> list[str]:
         """The replica holding each request of the model's stream that is taken and not yet acked."""
-        rows = get_redis().xpending_range(
-            requests_stream(settings.REDIS_PREFIX, self.model), CONSUMER_GROUP, "-", "+", 100
-        )
+        redis = get_redis()
+        rows = [
+            row
+            for stream in model_request_streams(redis, settings.REDIS_PREFIX, self.model)
+            for row in _pending_rows(redis, stream)
+        ]
         return [
             row["consumer"].decode() if isinstance(row["consumer"], bytes) else row["consumer"]
             for row in rows
@@ -289,3 +293,10 @@ def open_stream(
     chunks = iter(stream)
     received = [next(chunks) for _ in range(first)]
     return OpenStream(stream, stream.response.headers["x-request-id"], chunks, received)
+
+
+def _pending_rows(redis, stream: str) -> list[dict]:
+    try:
+        return redis.xpending_range(stream, CONSUMER_GROUP, "-", "+", 100)
+    except Exception:  # a replica's stream retired between the two reads
+        return []

@@ -27,7 +27,8 @@ import pytest
 from django.conf import settings
 
 from core.redis_client import get_redis
-from engine.protocol import CONSUMER_GROUP, GenerateRequest, requests_stream
+from engine.protocol import CONSUMER_GROUP, GenerateRequest
+from engine.worker.queue import model_request_streams
 from tenants.models import Tenant, UsageRecord
 from tests.e2e.processes import E2E_METRICS_TOKEN
 from tests.e2e.settlement import assert_settled, engine_events
@@ -88,22 +89,32 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
 def held_request_ids(replica_id: str) -> set[str]:
     """The engine request ids of the entries `replica_id` holds (taken, not acked)."""
     redis = get_redis()
-    stream = requests_stream(settings.REDIS_PREFIX, MODEL)
     ids = set()
-    for row in redis.xpending_range(stream, CONSUMER_GROUP, "-", "+", 100, consumername=replica_id):
-        # Empty when the entry was handed back (and deleted) between the two reads: no longer held.
-        for _, fields in redis.xrange(stream, row["message_id"], row["message_id"]):
-            ids.add(GenerateRequest.decode(fields).request_id)
+    for stream in model_request_streams(redis, settings.REDIS_PREFIX, MODEL):
+        try:
+            rows = redis.xpending_range(stream, CONSUMER_GROUP, "-", "+", 100, consumername=replica_id)
+        except Exception:  # a replica's stream retired between the two reads
+            continue
+        for row in rows:
+            # Empty when the entry was handed back (and deleted) between the two reads: no longer held.
+            for _, fields in redis.xrange(stream, row["message_id"], row["message_id"]):
+                ids.add(GenerateRequest.decode(fields).request_id)
     return ids
 
 
 def undelivered_request_count() -> int:
     """Entries of the model's stream that no replica has taken yet."""
     redis = get_redis()
-    stream = requests_stream(settings.REDIS_PREFIX, MODEL)
-    group = next(g for g in redis.xinfo_groups(stream) if g["name"].decode() == CONSUMER_GROUP)
-    last = group["last-delivered-id"].decode()
-    return len(redis.xrange(stream, f"({last}", "+"))
+    count = 0
+    for stream in model_request_streams(redis, settings.REDIS_PREFIX, MODEL):
+        try:
+            groups = redis.xinfo_groups(stream)
+        except Exception:  # a replica's stream retired between the two reads
+            continue
+        group = next(g for g in groups if g["name"].decode() == CONSUMER_GROUP)
+        last = group["last-delivered-id"].decode()
+        count += len(redis.xrange(stream, f"({last}", "+"))
+    return count
 
 
 def answered_by(request_id: str) -> set[str]:

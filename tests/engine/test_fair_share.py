@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.worker.outputs import HeldRequest, events_for_output
+from engine.worker.queue import EntryRef
 
 
 @dataclass
@@ -255,7 +256,7 @@ def test_the_engine_ends_an_expired_request_with_a_queue_timeout_error_billed_no
     outputs = {o.request_id: o for o in engine.step()}
     late = outputs["late"]
     assert late.finished and late.error_code == "queue_timeout"
-    held = HeldRequest(request_id="late", message_id=b"1-0", n=1, num_prompt_tokens=3)
+    held = HeldRequest(request_id="late", message_id=EntryRef("requests", b"1-0"), n=1, num_prompt_tokens=3)
     (event,) = events_for_output(held, late)
     assert event.type == "error" and event.code == "queue_timeout"
     assert event.usage == {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}

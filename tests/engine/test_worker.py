@@ -618,7 +618,7 @@ def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer
     leaving, staying = queue_of(client, prefix, "leaving"), queue_of(client, prefix, "staying")
     try:
         (first, fields), (second, _), (third, _) = taken_by(leaving, "handed-back", "kept", "reclaimed")
-        client.xclaim(stream, CONSUMER_GROUP, "thief", 0, [third], justid=True)  # as after a stall
+        client.xclaim(stream, CONSUMER_GROUP, "thief", 0, [third.id], justid=True)  # as after a stall
 
         handed = leaving.hand_back([first, third])
 
@@ -629,12 +629,12 @@ def test_a_handed_back_entry_is_read_at_once_by_another_replica_and_is_no_longer
         assert new_fields == {**fields, b"handed": b"1"} and new_id > third
         rows = client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
         assert [(row["message_id"], row["consumer"]) for row in rows] == [
-            (second, b"leaving"),
-            (third, b"thief"),
-            (new_id, b"staying"),
+            (second.id, b"leaving"),
+            (third.id, b"thief"),
+            (new_id.id, b"staying"),
         ]
         # The original is gone from the stream, not left as a second copy of the prompt.
-        assert client.xrange(stream, first, first) == []
+        assert client.xrange(stream, first.id, first.id) == []
         assert leaving.hand_back([]) == set()
     finally:
         drop_keys(client, prefix)
@@ -794,13 +794,13 @@ def test_a_stalled_replica_does_not_ack_an_entry_another_replica_took_over(clien
     stalled, taker = queue_of(client, prefix, "stalled"), queue_of(client, prefix, "taker")
     try:
         [(contested, _), (own, _)] = taken_by(stalled, "contested", "own")
-        client.xclaim(stream, CONSUMER_GROUP, "taker", 0, [contested], justid=True)  # taken over
+        client.xclaim(stream, CONSUMER_GROUP, "taker", 0, [contested.id], justid=True)  # taken over
 
         # The stalled replica wakes up and acks both as answered: only its own entry is acked.
         stalled.publish([], [contested, own])
 
         rows = client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10)
-        assert [(row["message_id"], row["consumer"]) for row in rows] == [(contested, b"taker")]
+        assert [(row["message_id"], row["consumer"]) for row in rows] == [(contested.id, b"taker")]
         taker.publish([], [contested])
         assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0
     finally:

@@ -14,7 +14,13 @@ import pytest
 from django.conf import settings
 
 from core.redis_client import get_async_redis
-from engine.protocol import GenerateRequest, replicas_key, requests_stream
+from engine.protocol import (
+    GenerateRequest,
+    replica_requests_stream,
+    replicas_key,
+    requests_stream,
+    routes_key,
+)
 from tests.helpers import async_wait_until, wait_until
 from tests.inference.peft_adapters import (  # noqa: F401 - fixtures of the adapter tests
     adapters_dir,
@@ -194,7 +200,12 @@ def offline_adapter_outputs(model_dir: str, request: GenerateRequest) -> list[Co
 
 async def queued_requests(model: str) -> list[GenerateRequest]:
     """Every request the web tier queued for `model` (entries stay in the stream once answered)."""
-    entries = await get_async_redis().xrange(requests_stream(settings.REDIS_PREFIX, model))
+    redis = get_async_redis()
+    replicas = sorted(r.decode() for r in await redis.smembers(routes_key(settings.REDIS_PREFIX, model)))
+    streams = [requests_stream(settings.REDIS_PREFIX, model)]
+    streams += [replica_requests_stream(settings.REDIS_PREFIX, model, r) for r in replicas]
+    entries = [entry for stream in streams for entry in await redis.xrange(stream)]
+    entries.sort(key=lambda entry: tuple(int(part) for part in entry[0].decode().split("-")))
     return [GenerateRequest.decode(fields) for _, fields in entries]
 
 

@@ -51,7 +51,7 @@ def test_only_answered_requests_past_the_window_leave_the_stream(queue):
     for rid in ("answered", "running", "waiting"):
         _queue_request(queue, rid)
     taken = queue.read_new(2, None)  # answered and running: delivered to this replica
-    queue.client.xack(queue.stream, CONSUMER_GROUP, taken[0][0])
+    queue.client.xack(queue.stream, CONSUMER_GROUP, taken[0][0].id)
 
     queue.trim_answered(retention_s=3600)
     assert _ids_left(queue) == ["answered", "running", "waiting"]  # within the window
@@ -60,12 +60,12 @@ def test_only_answered_requests_past_the_window_leave_the_stream(queue):
     queue.trim_answered(retention_s=0)
     assert _ids_left(queue) == ["running", "waiting"]
 
-    queue.client.xack(queue.stream, CONSUMER_GROUP, taken[1][0])
+    queue.client.xack(queue.stream, CONSUMER_GROUP, taken[1][0].id)
     queue.trim_answered(retention_s=0)
     assert _ids_left(queue) == ["waiting"]  # never delivered: it stays whatever its age
 
     [(message_id, _fields)] = queue.read_new(1, None)
-    queue.client.xack(queue.stream, CONSUMER_GROUP, message_id)
+    queue.client.xack(queue.stream, CONSUMER_GROUP, message_id.id)
     queue.trim_answered(retention_s=0)
     assert _ids_left(queue) == []
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from core.errors import InvalidRequestError, model_not_found
 from engine.protocol import LoRARef
-from engine.rules import SERVICE_TIER_PRIORITY, max_seqs_per_request
+from engine.rules import SERVICE_TIER_PRIORITY, engine_block_size, max_seqs_per_request
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.structured_output.grammar import grammar_check
 from engine.structured_output.spec import StructuredOutputsError
@@ -77,6 +77,10 @@ class GenerationPlan:
     reasoning_parser: str = ""
     service_tier: str = "default"  # the tier it runs on: default, flex or priority
     max_queued: int | None = None  # the deployment's bound on requests waiting to start
+    # Queued to the replica that holds the prompt's prefix (inference.gateway.routing), whose
+    # engines cache blocks of this many tokens; off: the model's shared queue.
+    prefix_routing: bool = True
+    block_size: int = 16
     created: int = field(default_factory=lambda: int(time.time()))
     # An embedding: its inputs (token ids each) go to the engine as one embed request (`prompts`
     # holds them joined, for admission and the ledger; `n` is their count: one output each).
@@ -125,6 +129,8 @@ class ServedModel:
             "model_path": deployment.model_path,
             "max_model_len": deployment.max_model_len,
             "max_queued": deployment.max_queued_requests,
+            "prefix_routing": deployment.prefix_routing,
+            "block_size": engine_block_size(deployment.engine_settings),
         }
         if adapter is not None:
             fields["adapter"] = adapter.name
