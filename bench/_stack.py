@@ -110,19 +110,26 @@ class BenchStack:
         return ""
 
     def start(
-        self, *, threads: int, timeout_s: float = 300.0, replicas: tuple[str, ...] = ("bench",)
+        self,
+        *,
+        threads: int,
+        timeout_s: float = 300.0,
+        replicas: tuple[str, ...] = ("bench",),
+        cpus: dict[str, str] | None = None,
     ) -> None:
         """Start daphne and one engine replica per id in `replicas` (the first one's process is
-        named "engine", the others "engine-<id>"), and wait for /ready."""
+        named "engine", the others "engine-<id>"), and wait for /ready. `cpus`: a replica's CPU
+        list (`taskset -c`), to pin it to cores of its own."""
         from config.web_command import web_command
 
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
         engine = [sys.executable, "manage.py", "run_engine", "--model", self.model, "--replica-id"]
+        pinned = {r: ["taskset", "-c", c] for r, c in (cpus or {}).items()}
         argv = {
             **{
-                "engine" if i == 0 else f"engine-{replica}": [*engine, replica]
+                "engine" if i == 0 else f"engine-{replica}": [*pinned.get(replica, []), *engine, replica]
                 for i, replica in enumerate(replicas)
             },
             # The web entry point users run (daphne with a drain and a listen backlog).

@@ -196,6 +196,12 @@ async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(
     assert f"pagoda_engine_free_kv_blocks{model} {float(stats.num_free_blocks)}" in text
     assert f"pagoda_engine_spec_draft_tokens{model} {float(stats.spec_num_draft_tokens)}" in text
     assert f"pagoda_engine_spec_accepted_tokens{model} {float(stats.spec_num_accepted_tokens)}" in text
+    # Per replica: both requests were routed to this replica's own stream (it is the only one).
+    replica = f'{{model="{world.model}",replica="{engine_worker.settings.replica_id}"}}'
+    assert stats.num_routed_requests == 2
+    assert f"pagoda_engine_replica_routed_requests{replica} 2.0" in text
+    assert f"pagoda_engine_replica_stolen_requests{replica} 0.0" in text
+    assert f"pagoda_engine_replica_prefix_cache_hit_rate{replica} {stats.prefix_cache_hit_rate!r}" in text
     assert "request_id" not in text
 
 
@@ -208,7 +214,7 @@ def test_admin_shows_live_replicas(world, engine_worker):
     # An idle replica that has served nothing yet.
     row = (
         f"<tr><td>{engine_worker.settings.replica_id}</td><td>0</td><td>0</td><td>0.0%</td><td>0.0%</td>"
-        f"<td>{NUM_BLOCKS} / {NUM_BLOCKS}</td></tr>"
+        f"<td>{NUM_BLOCKS} / {NUM_BLOCKS}</td><td>0 / 0</td></tr>"
     )
     assert row in page.content.decode()
     listing = client.get("/admin/inference/modeldeployment/")
