@@ -12,7 +12,7 @@ same system prompt (about --system-tokens tokens of real text); each user messag
 prompt is the last one's history with the answer and the next message.
 
 Reported per way: the cached-token share of prompt tokens (usage.prompt_tokens_details), TTFT p50
-and p90, output tok/s over the run, and steals (requests a replica took from another one's queue,
+and p90, a whole turn's latency p50 and p90, output tok/s over the run, and steals (requests a replica took from another one's queue,
 from the replicas' heartbeats). Targets, prefix routing against the shared queue: cached share >=
 0.9x the single replica's, TTFT p50 <= 0.6x, output tok/s >= 1.0x.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
 import random
 import sys
@@ -71,6 +72,7 @@ class Run:
     def __init__(self, client: Any, model: str, args: argparse.Namespace) -> None:
         self.client, self.model, self.args = client, model, args
         self.ttfts: list[float] = []
+        self.latencies: list[float] = []  # a whole turn, to its last token
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.output_tokens = 0
@@ -97,6 +99,7 @@ class Run:
             if chunk.usage is not None:
                 usage = chunk.usage
         with self.lock:
+            self.latencies.append(time.perf_counter() - start)
             if ttft is not None:
                 self.ttfts.append(ttft)
             if usage is not None:
@@ -117,11 +120,12 @@ class Run:
             messages.append({"role": "assistant", "content": answer})
 
 
-def _steals(model: str) -> tuple[int, int]:
+def _steals(model: str) -> tuple[int, list[int]]:
+    """Requests stolen, and each replica's routed requests (from the replicas' heartbeats)."""
     from inference.gateway.replicas import replica_stats_list
 
     stats = replica_stats_list(model)
-    return sum(s.num_stolen_requests for s in stats), sum(s.num_routed_requests for s in stats)
+    return sum(s.num_stolen_requests for s in stats), [s.num_routed_requests for s in stats]
 
 
 def run_way(stack: BenchStack, way: str, system: str, users: list[list[str]], args) -> dict[str, Any]:
@@ -157,6 +161,8 @@ def run_way(stack: BenchStack, way: str, system: str, users: list[list[str]], ar
         "cached_share": round(run.cached_tokens / run.prompt_tokens, 3) if run.prompt_tokens else 0.0,
         "p50_ttft_ms": round(1000 * percentile(run.ttfts, 50), 1),
         "p90_ttft_ms": round(1000 * percentile(run.ttfts, 90), 1),
+        "p50_turn_s": round(percentile(run.latencies, 50), 2),
+        "p90_turn_s": round(percentile(run.latencies, 90), 2),
         "output_tok_s": round(run.output_tokens / seconds, 1),
         "prompt_tokens": run.prompt_tokens,
         "cached_tokens": run.cached_tokens,
@@ -179,11 +185,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=120)
-    parser.add_argument("--user-tokens", type=int, default=60)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--user-tokens", type=int, default=150)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     ways = [w for w in args.ways.split(",") if w]
     unknown = set(ways) - set(WAYS)
     if unknown:
@@ -210,6 +217,8 @@ def main() -> None:
         if "prefix" in figures and "shared" in figures:
             prefix, shared = figures["prefix"], figures["shared"]
             figures["ttft_p50_vs_shared"] = round(prefix["p50_ttft_ms"] / shared["p50_ttft_ms"], 3)
+            figures["ttft_p90_vs_shared"] = round(prefix["p90_ttft_ms"] / shared["p90_ttft_ms"], 3)
+            figures["turn_p50_vs_shared"] = round(prefix["p50_turn_s"] / shared["p50_turn_s"], 3)
             figures["throughput_vs_shared"] = round(prefix["output_tok_s"] / shared["output_tok_s"], 3)
             if "single" in figures and figures["single"]["cached_share"]:
                 figures["cached_share_vs_single"] = round(

@@ -154,10 +154,11 @@ class Intake:
 
     def steal(self) -> None:
         """Take requests routed to other replicas that waited there past the steal delay; only while
-        this replica's engine has nobody waiting (it would start them now)."""
+        this replica is idle (nothing running or waiting): a replica that is merely less busy would
+        start them sooner than their own replica's next step, but without their prefix cached."""
         w = self.worker
         room = w.max_held - len(w.held)
-        if room <= 0 or w.settings.steal_after_ms <= 0 or w.engine.load().num_waiting:
+        if room <= 0 or w.settings.steal_after_ms <= 0 or w.engine.has_unfinished_requests():
             return
         for message_id, fields in w.queue.steal(room, w.settings.steal_after_ms):
             logger.info("stole request entry %s from %s", message_id.id, message_id.stream)

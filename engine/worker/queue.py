@@ -163,13 +163,19 @@ class RequestQueue:
             own, shared = self._read_new(keys=keys, args=args)
         entries = [*_script_entries(self.own_stream, own), *_script_entries(self.stream, shared)]
         if not entries and block_ms is not None:
-            reply = self.client.xreadgroup(
-                CONSUMER_GROUP,
-                self.replica_id,
-                {self.own_stream: ">", self.stream: ">"},
-                count=count,
-                block=block_ms,
-            )
+            try:
+                reply = self.client.xreadgroup(
+                    CONSUMER_GROUP,
+                    self.replica_id,
+                    {self.own_stream: ">", self.stream: ">"},
+                    count=count,
+                    block=block_ms,
+                )
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self.ensure_group()  # retired a moment ago (see above); read again next time
+                reply = None
             entries = _entries(reply)
         self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
         return entries

@@ -38,8 +38,8 @@ class WorkerSettings:
     # Requests held at once (running + waiting in the engine); the rest stay in the shared stream
     # where another replica can take them. 0: 256 (`engine serve` passes twice its max_num_seqs).
     max_held: int = 0
-    # An idle replica takes requests routed to another replica's stream that nobody read for this
-    # long (that replica is busy, stalled or gone). 0: never.
+    # An idle replica (nothing running or waiting) takes requests routed to another replica's stream
+    # that nobody read for this long (that replica is busy, stalled or gone). 0: never.
     steal_after_ms: int = 500
     # How far back the cancel stream is read at start, to see cancels of requests taken later.
     cancel_lookback_s: float = 60.0

@@ -9,8 +9,11 @@ share a key share a cache).
   -> replica, with a TTL; written for the powers of two of a prompt's blocks and for its last full
   block, so a conversation's next turn finds the one before), and that prefix is at least
   ROUTING_MIN_MATCH of the prompt, the request goes where the longest such prefix went.
-- Otherwise to the first replica in rendezvous order of its key (highest random weight), so that
-  replicas joining or leaving move only their share of keys.
+- Otherwise (a conversation's first turn, a new document) to the less loaded of the first two
+  replicas in rendezvous order of its key (highest random weight; the first on a tie): a new
+  conversation starts where there is room, and its next turns follow it there. A request with a
+  `prompt_cache_key` goes to the first replica in that order, so that replicas joining or leaving
+  move only their share of keys.
 - Either way only to a ready replica whose load is under the bound: (1 + ROUTING_LOAD_EPSILON) x
   the mean, or the mean plus ROUTING_LOAD_SLACK requests, whichever is more (consistent hashing
   with bounded loads; the slack keeps a conversation where its cache is while loads are a handful
@@ -73,7 +76,6 @@ class Route:
 
     replica: str
     index_keys: tuple[str, ...] = ()
-    preferred_by_prefix: bool = False
 
 
 @dataclass(slots=True)
@@ -250,6 +252,10 @@ async def route(*, model: str, salt: str, prompt_token_ids: list[int], hint: Rou
                 if matched >= ROUTING_MIN_MATCH * len(known):
                     preferred = replica
                 break
+    if preferred is None and not hint.prompt_cache_key:
+        # Nothing of it is cached anywhere (beyond a short shared head): two choices.
+        first_two = rendezvous_order(key.key, list(loads))[:2]
+        preferred = min(first_two, key=lambda r: (loads[r], first_two.index(r)))
     replica = choose_replica(key.key, loads, preferred=preferred)
     # One replica: nothing to choose between, and nothing to remember (the index fills again
     # within a conversation's turn once there are more).
@@ -261,4 +267,4 @@ async def route(*, model: str, salt: str, prompt_token_ids: list[int], hint: Rou
         if len(loads) > 1
         else ()
     )
-    return Route(replica=replica, index_keys=index_keys, preferred_by_prefix=preferred == replica)
+    return Route(replica=replica, index_keys=index_keys)

@@ -183,7 +183,7 @@ async def test_the_next_turn_goes_where_its_history_went_even_where_its_own_key_
     await announce(model, "left")
     await announce(model, "right")
     first = prompt_preferring("left", ["left", "right"])
-    await submit(model, "turn-1", first)
+    gateways = [await submit(model, "turn-1", first)]
     assert await queued_where(model, "turn-1") == "left"
 
     # Extended until its own key ranks the other replica first: the index still sends it left.
@@ -192,10 +192,13 @@ async def test_the_next_turn_goes_where_its_history_went_even_where_its_own_key_
         key = routing_key(salt="tenant:1\0", prompt_token_ids=longer, block_size=BLOCK).key
         if rendezvous_order(key, ["left", "right"])[0] == "right":
             break
-    await submit(model, "turn-2", longer)
+    gateways.append(await submit(model, "turn-2", longer))
     assert await queued_where(model, "turn-2") == "left"
 
-    # Another tenant's identical prompt knows nothing of the first tenant's index.
+    # Another tenant's identical prompt knows nothing of the first tenant's index (and, with the
+    # loads equal again, goes where its own key ranks first).
+    for gateway, request_id in zip(gateways, ("turn-1", "turn-2"), strict=True):
+        await gateway.forget([request_id])
     await submit(model, "other-tenant", longer, salt="tenant:2")
     other_key = routing_key(salt="tenant:2\0", prompt_token_ids=longer, block_size=BLOCK).key
     assert await queued_where(model, "other-tenant") == rendezvous_order(other_key, ["left", "right"])[0]
@@ -246,3 +249,28 @@ async def test_requests_in_flight_count_as_load_until_forgotten(model):
         await gateway.forget([f"held-{i}"])
     await submit(model, "after", prompt_preferring("left", ["left", "right"], nth=1))
     assert await queued_where(model, "after") == "left"
+
+
+async def test_a_first_turn_takes_the_less_loaded_of_its_two_choices_unless_it_names_a_cache_key(model):
+    await announce(model, "left")
+    await announce(model, "right")
+    busy = await submit(model, "running", prompt_preferring("left", ["left", "right"], nth=3))
+    assert await queued_where(model, "running") == "left"
+
+    # Prefers the left by its key, but the left has one in flight and the right none.
+    await submit(model, "first-turn", prompt_preferring("left", ["left", "right"], nth=4))
+    assert await queued_where(model, "first-turn") == "right"
+
+    # A prompt_cache_key keeps its key's first choice while it is under the bound.
+    gateway = EngineGateway(prefix=settings.REDIS_PREFIX)
+    for seed in range(1000):
+        key = f"thread-{seed}"
+        salted = routing_key(salt="tenant:1\0", prompt_token_ids=[], block_size=BLOCK, prompt_cache_key=key)
+        if rendezvous_order(salted.key, ["left", "right"])[0] == "left":
+            break
+    request = GenerateRequest(
+        request_id="keyed", model=model, prompt_token_ids=[5] * 40, sampling_params={}, cache_salt="tenant:1"
+    )
+    await gateway.submit(request, route=RouteHint(enabled=True, block_size=BLOCK, prompt_cache_key=key))
+    assert await queued_where(model, "keyed") == "left"
+    await busy.forget(["running"])
