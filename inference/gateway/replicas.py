@@ -10,11 +10,15 @@ import asyncio
 import json
 import time
 import weakref
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 from django.conf import settings
 
 from core.redis_client import get_async_redis, get_redis
 from engine.protocol import ProtocolError, ReplicaStats, replica_stats_key, replicas_key
+
+T = TypeVar("T")
 
 
 def _cutoff() -> float:
@@ -40,36 +44,55 @@ async def live_replica_ids_async(model: str) -> list[str]:
 # one of them is a Redis round trip of its own, twice a second. Far below ENGINE_HEARTBEAT_TTL.
 LIVE_SET_MAX_AGE_S = 0.25
 
-# Each event loop's live sets, by model: (expiry, the set, or the read of it while in flight). A
-# finished read leaves only its set, so the entries go with their loop.
-_live_sets: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[str, tuple[float, frozenset[str] | asyncio.Future]]
-] = weakref.WeakKeyDictionary()
+
+class LoopShared(Generic[T]):
+    """Values read from Redis that one event loop's requests share for up to `max_age_s`, by key:
+    one read in flight at a time, the others wait for it. A finished read leaves only its value,
+    so the entries go with their loop."""
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._entries: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, dict[str, tuple[float, T | asyncio.Future]]
+        ] = weakref.WeakKeyDictionary()
+
+    async def get(self, key: str, read: Callable[[], Awaitable[T]]) -> T:
+        loop = asyncio.get_running_loop()
+        entries = self._entries.setdefault(loop, {})
+        now = time.monotonic()
+        cached = entries.get(key)
+        if cached is not None and cached[0] >= now:
+            value = cached[1]
+            return await asyncio.shield(value) if isinstance(value, asyncio.Future) else value
+        expiry, reading = now + self.max_age_s, loop.create_future()
+        entries[key] = (expiry, reading)
+        try:
+            result = await read()
+        except BaseException as exc:
+            entries.pop(key, None)
+            reading.set_exception(exc)
+            reading.exception()  # retrieved: the requests sharing it see it through shield()
+            raise
+        if entries.get(key) == (expiry, reading):  # not replaced by a later read meanwhile
+            entries[key] = (expiry, result)
+        reading.set_result(result)
+        return result
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_live_sets: LoopShared[frozenset[str]] = LoopShared(LIVE_SET_MAX_AGE_S)
 
 
 async def live_replica_set_async(model: str) -> frozenset[str]:
     """The ids of `model`'s live replicas, shared by the running event loop's requests for up to
     LIVE_SET_MAX_AGE_S (one read in flight at a time)."""
-    loop = asyncio.get_running_loop()
-    live_sets = _live_sets.setdefault(loop, {})
-    now = time.monotonic()
-    cached = live_sets.get(model)
-    if cached is not None and cached[0] >= now:
-        ids_or_read = cached[1]
-        return ids_or_read if isinstance(ids_or_read, frozenset) else await asyncio.shield(ids_or_read)
-    expiry, read = now + LIVE_SET_MAX_AGE_S, loop.create_future()
-    live_sets[model] = (expiry, read)
-    try:
-        ids = frozenset(await live_replica_ids_async(model))
-    except BaseException as exc:
-        live_sets.pop(model, None)
-        read.set_exception(exc)
-        read.exception()  # retrieved: the requests sharing it see it through shield()
-        raise
-    if live_sets.get(model) == (expiry, read):  # not replaced by a later read meanwhile
-        live_sets[model] = (expiry, ids)
-    read.set_result(ids)
-    return ids
+
+    async def read() -> frozenset[str]:
+        return frozenset(await live_replica_ids_async(model))
+
+    return await _live_sets.get(model, read)
 
 
 def _without_draining(ids: list[str], raw: list) -> list[str]:

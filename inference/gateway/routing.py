@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import time
 import weakref
 from array import array
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from django.conf import settings
 
 from core.redis_client import get_async_redis
 from engine.protocol import ProtocolError, ReplicaStats, prefix_route_key, replica_stats_key
-from inference.gateway.replicas import live_replica_ids_async
+from inference.gateway.replicas import LoopShared, live_replica_ids_async
 
 # A replica holding more than (1 + epsilon) x the mean load, and more than the mean plus the slack,
 # takes no more requests by preference.
@@ -150,10 +149,8 @@ def index_positions(num_blocks: int) -> list[int]:
     return sorted(positions)
 
 
-# Each event loop's replica loads, by model: (expiry, {replica: load}) or the read in flight.
-_loads: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[str, tuple[float, dict[str, float] | asyncio.Future]]
-] = weakref.WeakKeyDictionary()
+# The replicas' loads from their heartbeats, as each event loop read them last.
+_loads: LoopShared[dict[str, float]] = LoopShared(LOADS_MAX_AGE_S)
 
 
 async def _read_loads(model: str) -> dict[str, float]:
@@ -204,26 +201,7 @@ async def replica_loads(model: str) -> dict[str, float]:
 
 
 async def _heartbeat_loads(model: str) -> dict[str, float]:
-    loop = asyncio.get_running_loop()
-    per_model = _loads.setdefault(loop, {})
-    now = time.monotonic()
-    cached = per_model.get(model)
-    if cached is not None and cached[0] >= now:
-        value = cached[1]
-        return value if isinstance(value, dict) else await asyncio.shield(value)
-    expiry, read = now + LOADS_MAX_AGE_S, loop.create_future()
-    per_model[model] = (expiry, read)
-    try:
-        loads = await _read_loads(model)
-    except BaseException as exc:
-        per_model.pop(model, None)
-        read.set_exception(exc)
-        read.exception()
-        raise
-    if per_model.get(model) == (expiry, read):
-        per_model[model] = (expiry, loads)
-    read.set_result(loads)
-    return loads
+    return await _loads.get(model, lambda: _read_loads(model))
 
 
 async def route(*, model: str, salt: str, prompt_token_ids: list[int], hint: RouteHint) -> Route | None:
