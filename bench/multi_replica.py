@@ -189,6 +189,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a deployment engine_settings entry (JSON value) for every way, repeatable",
+    )
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     ways = [w for w in args.ways.split(",") if w]
@@ -197,9 +204,13 @@ def main() -> None:
         parser.error(f"unknown ways: {sorted(unknown)}")
 
     model_dir = real_model_dir() if args.model == "smollm2" else bench_model_dir()
+    engine_settings: dict[str, Any] = {"max_num_seqs": 16, "kv_cache_memory": "1GiB"}
+    for item in args.engine_setting:
+        key, _, value = item.partition("=")
+        engine_settings[key] = json.loads(value)
     stack = create_stack(
         model_dir=model_dir,
-        engine_settings={"max_num_seqs": 16, "kv_cache_memory": "1GiB"},
+        engine_settings=engine_settings,
         max_queued=max(64, 4 * args.concurrency),
     )
     system, users = _workload(args)
@@ -209,6 +220,7 @@ def main() -> None:
         "turns": args.turns,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
+        "engine_settings": engine_settings,
     }
     try:
         for way in ways:
