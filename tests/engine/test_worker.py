@@ -856,30 +856,35 @@ def test_a_live_replica_keeps_its_long_requests_from_being_reclaimed(client, inp
     stream = requests_stream(prefix, MODEL)
     # The replica touches its entries every third of the claim timeout: only a stall of two thirds
     # of it (2.7 s, far beyond a step of this model on a loaded machine; a 1 s stall was seen on a
-    # busy CI machine with a 1.5 s timeout) could let the thief in. The request (1,500 tokens) runs
-    # for longer than the claim timeout.
-    engine = tiny_engine(tiny_llama_dir, 4, max_model_len=2048, num_blocks=128)
+    # busy CI machine with a 1.5 s timeout) could let the thief in. Four requests of 1,500 tokens
+    # run one at a time (one sequence at once), so the last waits, held, for three runs and the
+    # whole takes several times the claim timeout on any machine (one run took 3.6 s on a 2-core
+    # machine, 14 s all four).
+    engine = tiny_engine(tiny_llama_dir, 1, max_model_len=2048, num_blocks=128)
     inproc.in_thread(inproc(engine, replica_id="busy", claim_timeout_ms=4000))
-    submit(client, prefix, "long-runner", max_tokens=1500, ignore_eos=True)
-    wait_events(client, prefix, "long-runner", until=has_delta)
+    runners = [f"long-runner-{i}" for i in range(4)]
+    for request_id in runners:
+        submit(client, prefix, request_id, max_tokens=1500, ignore_eos=True)
+    wait_events(client, prefix, runners[0], until=has_delta)
 
     stolen = []
 
-    def steal_until_it_ends() -> bool:
-        if ended(events_of(client, prefix, "long-runner")):
+    def steal_until_they_end() -> bool:
+        if all(ended(events_of(client, prefix, r)) for r in runners):
             return True
         _, claimed, _ = client.xautoclaim(stream, CONSUMER_GROUP, "thief", 4000, "0-0")
         stolen.extend(claimed)
         return False
 
     started = time.monotonic()
-    wait_until(steal_until_it_ends, timeout=300, interval=0.05, what="the long request to finish")
+    wait_until(steal_until_they_end, timeout=600, interval=0.05, what="the long requests to finish")
     ran_for = time.monotonic() - started
 
-    events = events_of(client, prefix, "long-runner")
     assert stolen == []
-    assert events[-1].type == "finished" and num_streamed_tokens(events) == 1500
-    assert ran_for > 4.0, "the request must outlive the claim timeout for this test to mean anything"
+    for request_id in runners:
+        events = events_of(client, prefix, request_id)
+        assert events[-1].type == "finished" and num_streamed_tokens(events) == 1500
+    assert ran_for > 4.0, "the requests must outlive the claim timeout for this test to mean anything"
 
 
 def test_a_replica_that_lost_a_request_to_a_reclaim_stops_answering_it(client, inproc, fresh_engine):
