@@ -13,7 +13,9 @@ from django.db import connection
 from django.utils import timezone
 
 from core.errors import AuthenticationError, PermissionDeniedError
+from core.redis_client import get_redis
 from tenants.models import ApiKey
+from tenants.ratelimit.limiter import open_settlements_key
 from tenants.services import (
     api_key_authenticate,
     api_key_create,
@@ -127,8 +129,11 @@ def test_revoked_key_is_refused_within_one_second_in_this_process(world):
 @pytest.fixture(scope="module")
 def web_process(django_db_setup, tmp_path_factory) -> Iterator[str]:
     """A daphne serving the test database: another web process, with its own key cache. Its settler
-    sweeps once, at its start: a sweep that wrote a ledger row left by an earlier test while a test's
-    teardown truncated the tables deadlocked the two."""
+    sweeps once, at its start, and finds nothing to settle: the reservations that earlier tests left
+    open in this session's Redis are dropped first. Settling them (a ledger row each, and a wait for
+    an abandoned request's engines) could outlast a short test, and a sweep writing a ledger row
+    while the test's teardown truncated the tables deadlocked the two."""
+    get_redis().delete(open_settlements_key())
     with web_server(
         log_path=tmp_path_factory.mktemp("web") / "daphne.log", PAGODA_SETTLER_SWEEP_S="86400"
     ) as base_url:
