@@ -1,6 +1,20 @@
 """The Lua scripts a replica runs on its model's request stream and on output streams: each does in
 one step what must not be interleaved with another replica's commands."""
 
+# A group's last-delivered id in a stream (nil when the group is not there), for the scripts below.
+_LAST_DELIVERED = """
+local function last_delivered(stream, group)
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local name, last = nil, nil
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then last = g[i + 1] end
+    end
+    if name == group then return last end
+  end
+  return nil
+end
+"""
+
 # Keep the idle clock at zero for entries this consumer still owns. Checking the owner and claiming
 # in one script matters: a plain XCLAIM would take back an entry another replica had already
 # reclaimed from us (after we stalled past the timeout), and both would then answer it.
@@ -20,9 +34,15 @@ return owned
 # entries, which the next XREADGROUP '>' of any replica takes at once (a released pending entry waits for someone's XAUTOCLAIM, every few
 # seconds). In one script: the copy is added exactly when the original is acked, and only for an
 # entry still ours (one another replica reclaimed from us is its to answer). The original is
-# deleted too: acked, it would keep a second copy of the prompt until trimmed. The copy is marked
-# `handed`: whoever takes it looks at its output stream first, since it may have streamed.
-HAND_BACK_SCRIPT = """
+# deleted too (acked, it would keep a second copy of the prompt until trimmed), except when it is
+# the group's last delivered entry: a deletion there leaves Redis 7 unable to tell the group's lag
+# (XINFO GROUPS answers nil, which autoscalers such as KEDA read as 0) until a replica reads past
+# it; kept, it leaves with the trim of answered entries. The copy is marked `handed`: whoever
+# takes it looks at its output stream first, since it may have streamed.
+HAND_BACK_SCRIPT = (
+    _LAST_DELIVERED
+    + """
+local last = last_delivered(KEYS[1], ARGV[1])
 local handed = {}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
@@ -41,12 +61,13 @@ for i = 3, #ARGV do
       redis.call('XADD', KEYS[2], '*', unpack(fields))
     end
     redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-    redis.call('XDEL', KEYS[1], ARGV[i])
+    if ARGV[i] ~= last then redis.call('XDEL', KEYS[1], ARGV[i]) end
     handed[#handed + 1] = ARGV[i]
   end
 end
 return handed
 """
+)
 
 # Take a request over from a lost replica: its output stream as it stands, and, when it ends in
 # the middle of an answer (a delta, or an earlier takeover's marker), a failover marker appended in
@@ -107,18 +128,6 @@ return out
 """
 
 # The id after which a group has delivered nothing yet (its last-delivered-id), or nil.
-_LAST_DELIVERED = """
-local function last_delivered(stream, group)
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local name, last = nil, nil
-    for i = 1, #g, 2 do
-      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then last = g[i + 1] end
-    end
-    if name == group then return last end
-  end
-  return nil
-end
-"""
 
 # Steal from another replica's stream (KEYS[1]) the entries nobody has read that were added at or
 # before ARGV[3] (an id: now less the steal delay), at most ARGV[4], oldest first, as consumer
