@@ -28,6 +28,7 @@ Redis layout (every key starts with the deployment's prefix, e.g. "pagoda:"):
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -79,7 +80,15 @@ def replica_requests_stream(prefix: str, model: str, replica_id: str) -> str:
 
 
 def routes_key(prefix: str, model: str) -> str:
+    """A set of the replica ids of a model that have a request stream of their own."""
     return f"{prefix}routes:{model}"
+
+
+def request_streams(prefix: str, model: str, routed_replicas: Iterable[bytes | str]) -> list[str]:
+    """Every request stream of a model: its shared stream, then the own stream of each routed
+    replica (the members of `routes_key`), in the order of their ids."""
+    replicas = sorted(r.decode() if isinstance(r, bytes) else r for r in routed_replicas)
+    return [requests_stream(prefix, model), *(replica_requests_stream(prefix, model, r) for r in replicas)]
 
 
 def prefix_route_key(prefix: str, model: str, block_hash: str) -> str:

@@ -144,6 +144,17 @@ class EngineCollector(Collector):
                 "Speculative draft tokens accepted since the live replicas started",
                 labels=["model"],
             ),
+            # Read off the request streams (inference.gateway.queue_depth): what autoscalers watch.
+            "queued": GaugeMetricFamily(
+                "pagoda_queue_depth",
+                "Requests queued for the model that no replica has taken yet",
+                labels=["model"],
+            ),
+            "taken": GaugeMetricFamily(
+                "pagoda_queue_pending",
+                "Requests a replica of the model has taken and not finished",
+                labels=["model"],
+            ),
             # Per replica: prefix routing (inference.gateway.routing) at work.
             "routed": GaugeMetricFamily(
                 "pagoda_engine_replica_routed_requests",
@@ -164,6 +175,7 @@ class EngineCollector(Collector):
         }
 
     def collect(self):
+        from inference.gateway.queue_depth import queue_depth
         from inference.selectors import deployment_list_enabled, deployment_replicas
 
         families = self._families()
@@ -182,6 +194,9 @@ class EngineCollector(Collector):
                 families["total"].add_metric(name, sum(s.num_total_blocks for s in stats))
                 families["drafted"].add_metric(name, sum(s.spec_num_draft_tokens for s in stats))
                 families["accepted"].add_metric(name, sum(s.spec_num_accepted_tokens for s in stats))
+                depth = queue_depth(deployment.name)
+                families["queued"].add_metric(name, depth.waiting)
+                families["taken"].add_metric(name, depth.pending)
                 for s in stats:
                     labels = [deployment.name, s.replica_id]
                     families["routed"].add_metric(labels, s.num_routed_requests)

@@ -31,6 +31,7 @@ from engine.protocol import (
     replica_requests_stream,
     replica_stats_key,
     replicas_key,
+    request_streams,
     requests_stream,
     routes_key,
     usage_key,
@@ -495,8 +496,7 @@ class RequestQueue:
 
 def model_request_streams(client: redis.Redis, prefix: str, model: str) -> list[str]:
     """Every request stream of a model: its shared stream, then each routed replica's own."""
-    replicas = sorted(_text(r) for r in client.smembers(routes_key(prefix, model)))
-    return [requests_stream(prefix, model), *(replica_requests_stream(prefix, model, r) for r in replicas)]
+    return request_streams(prefix, model, client.smembers(routes_key(prefix, model)))
 
 
 def _entries(reply: Any) -> list[Entry]:

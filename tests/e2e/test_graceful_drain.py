@@ -29,6 +29,7 @@ from django.conf import settings
 from core.redis_client import get_redis
 from engine.protocol import CONSUMER_GROUP, GenerateRequest
 from engine.worker.queue import model_request_streams
+from inference.gateway.queue_depth import queue_depth
 from tenants.models import Tenant, UsageRecord
 from tests.e2e.processes import E2E_METRICS_TOKEN
 from tests.e2e.settlement import assert_settled, engine_events
@@ -102,21 +103,6 @@ def held_request_ids(replica_id: str) -> set[str]:
     return ids
 
 
-def undelivered_request_count() -> int:
-    """Entries of the model's stream that no replica has taken yet."""
-    redis = get_redis()
-    count = 0
-    for stream in model_request_streams(redis, settings.REDIS_PREFIX, MODEL):
-        try:
-            groups = redis.xinfo_groups(stream)
-        except Exception:  # a replica's stream retired between the two reads
-            continue
-        group = next(g for g in groups if g["name"].decode() == CONSUMER_GROUP)
-        last = group["last-delivered-id"].decode()
-        count += len(redis.xrange(stream, f"({last}", "+"))
-    return count
-
-
 def answered_by(request_id: str) -> set[str]:
     """Every replica named in the request's output stream (the first delta and the end carry it)."""
     return {event.replica for event in engine_events(request_id) if event.replica}
@@ -185,7 +171,7 @@ def test_a_replica_drained_under_load_hands_back_what_it_had_not_started_and_los
                     for i in range(NUM_SHORT)
                 ]
                 stack.wait_until(
-                    lambda: undelivered_request_count() == NUM_SHORT,
+                    lambda: queue_depth(MODEL).waiting == NUM_SHORT,
                     timeout=60,
                     what="the short requests to be queued",
                 )
