@@ -297,6 +297,8 @@ SPECTACULAR_SETTINGS = {
 # Platform knobs.
 API_KEY_CACHE_SECONDS = envint("PAGODA_API_KEY_CACHE_SECONDS", 30, minimum=0)
 ENGINE_HEARTBEAT_TTL = envfloat("PAGODA_ENGINE_HEARTBEAT_TTL", 5.0)
+# An engine replica serves GET /live and /ready on this port (for Kubernetes probes); 0: none.
+ENGINE_HEALTH_PORT = envint("PAGODA_ENGINE_HEALTH_PORT", 0, minimum=0)
 # A web process's requests are settled by others once its owner key is this many seconds old (it
 # died), by a settler that sweeps every PAGODA_SETTLER_SWEEP_S (each web process runs one, and
 # Celery beat too).

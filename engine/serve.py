@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine import rules
 from engine.allocator import reexec_with_tcmalloc
@@ -30,6 +31,9 @@ from engine.config import (
     StructuredOutputConfig,
 )
 from engine.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from engine.worker.health import Health
 
 
 def parse_size(text: str) -> int:
@@ -176,6 +180,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=30.0,
         help="seconds a draining replica (first SIGTERM) gives its running requests",
     )
+    health = parser.add_argument_group("health port")
+    health.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="serve GET /live and /ready on this port (engine.worker.health); 0: none",
+    )
+    health.add_argument("--health-host", default="0.0.0.0", help="the address the health port binds")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -257,15 +269,9 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    import redis
-
-    from engine.worker.loop import EngineWorker
-    from engine.worker.queue import RequestQueue
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    log = logging.getLogger("engine.serve")
     try:
         config = engine_config_from_args(args)
         settings = worker_settings_from_args(args)
@@ -273,23 +279,53 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    from engine.worker.health import Health, HealthServer
+
     # Installed before the (slow) model load, so a stop during loading is honoured once it is done.
+    health = Health(model=settings.model, replica_id=settings.replica_id)
     stop_requests: list[int] = []
-    worker: EngineWorker | None = None
 
     def on_signal(signum: int, frame: object) -> None:
         stop_requests.append(signum)
-        if worker is not None:
-            worker.request_stop()
+        if health.worker is not None:
+            health.worker.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+    # Up before the model loads: the startup probe sees "starting", not a refused connection.
+    health_server: HealthServer | None = None
+    if args.health_port:
+        try:
+            health_server = HealthServer(health, host=args.health_host, port=args.health_port)
+        except OSError as exc:
+            print(f"error: cannot serve the health port {args.health_port}: {exc}", file=sys.stderr)
+            return 2
+        health_server.start()
+    try:
+        return _load_and_serve(args, config, settings, health, stop_requests)
+    finally:
+        if health_server is not None:
+            health_server.stop()
+
+
+def _load_and_serve(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    settings: WorkerSettings,
+    health: Health,
+    stop_requests: list[int],
+) -> int:
+    import redis
 
     from engine.embedding_engine import EmbeddingEngine
     from engine.errors import EngineError
     from engine.llm_engine import LLMEngine
     from engine.models.bert import is_encoder
+    from engine.worker.loop import EngineWorker
+    from engine.worker.queue import RequestQueue
 
+    log = logging.getLogger("engine.serve")
     try:
         # An encoder (BERT family) computes embeddings; a decoder generates unless told to embed.
         engine: LLMEngine | EmbeddingEngine
@@ -311,7 +347,9 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
     )
     worker = EngineWorker(engine, queue, settings)
-    for _ in stop_requests:
+    earlier = len(stop_requests)  # those that came while loading; later ones reach the worker
+    health.worker = worker
+    for _ in range(earlier):
         worker.request_stop()
     log.info("serving %s from %s as replica %s", settings.model, args.model_dir, settings.replica_id)
     status = worker.run()

@@ -33,13 +33,13 @@ class Heartbeat:
         self.started_at = time.time()
         self._last_stats: ReplicaStats | None = None
         self._last_beat = 0.0  # monotonic
-        self._progress_at = time.monotonic()
+        self.progress_at = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def progress(self) -> None:
         """The loop came round: the thread may keep beating for it."""
-        self._progress_at = time.monotonic()
+        self.progress_at = time.monotonic()
 
     def stats(self, *, draining: bool) -> ReplicaStats:
         load = self.engine.load()
@@ -96,7 +96,7 @@ class Heartbeat:
         while not self._stop.wait(interval):
             now = time.monotonic()
             stats = self._last_stats
-            if stats is None or now - self._last_beat < interval or now - self._progress_at > STALL_LIMIT_S:
+            if stats is None or now - self._last_beat < interval or now - self.progress_at > STALL_LIMIT_S:
                 continue
             try:
                 self.queue.heartbeat(dataclasses.replace(stats, heartbeat_at=time.time()))

@@ -62,6 +62,10 @@ class EngineWorker:
         self.acks: list[EntryRef] = []
         self._stopping = False
         self._force_stop = False
+        # For the health port (engine.worker.health): taking work since the first heartbeat, and
+        # whether Redis answered the last call.
+        self.serving = False
+        self.redis_reachable = True
         self.heartbeat = Heartbeat(engine, queue, settings)
         self.intake = Intake(self)
         self.drain = Drain(self)
@@ -74,6 +78,10 @@ class EngineWorker:
         if self._stopping:
             self._force_stop = True
         self._stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def run(self) -> int:
         while True:
@@ -88,6 +96,7 @@ class EngineWorker:
             except CONNECTION_ERRORS as exc:
                 if not self._wait_for_redis(exc):
                     return EXIT_OK
+        self.serving = True
         self.heartbeat.start()
         now = time.monotonic()
         self._next_touch = now + self.settings.touch_interval_s
@@ -182,6 +191,7 @@ class EngineWorker:
         """Wait, with backoff, until Redis answers again; False when the replica is to stop instead
         (a second stop request, or a drain whose grace period ran out while waiting)."""
         lost_at = time.monotonic()
+        self.redis_reachable = False
         logger.warning(
             "lost the connection to Redis (%s: %s); holding %d requests and retrying",
             exc.__class__.__name__,
@@ -203,6 +213,7 @@ class EngineWorker:
             except CONNECTION_ERRORS:
                 continue
             logger.warning("Redis answers again after %.1f s; resuming", time.monotonic() - lost_at)
+            self.redis_reachable = True
             return True
         return False
 

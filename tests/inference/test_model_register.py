@@ -352,3 +352,18 @@ def test_an_encoder_cannot_be_registered_to_generate(tmp_path):
     register("--name", "chat", "--path", str(decoder))
     register("--name", "chat", "--path", str(bert))
     assert ModelDeployment.objects.get(name="chat").task == ModelDeployment.Task.EMBED
+
+
+def test_the_engine_command_line_serves_the_health_port_the_environment_names(tmp_path, settings):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+    register("--name", "demo", "--path", str(path))
+    settings.ENGINE_HEALTH_PORT = 8001
+    out = io.StringIO()
+
+    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
+
+    assert " --health-port=8001" in out.getvalue()
+    settings.ENGINE_HEALTH_PORT = 0
+    out = io.StringIO()
+    call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
+    assert "--health-port" not in out.getvalue()

@@ -70,6 +70,8 @@ def serve_argv(
             argv.append(f"{ENGINE_SETTING_FLAGS[key]}={value}")
     if replica_id:
         argv.append(f"--replica-id={replica_id}")
+    if settings.ENGINE_HEALTH_PORT:
+        argv.append(f"--health-port={settings.ENGINE_HEALTH_PORT}")
     return argv
 
 
