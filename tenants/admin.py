@@ -9,9 +9,10 @@ from django.db import transaction
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
+from core.errors import InvalidRequestError
 from tenants.models import ApiKey, Membership, Tenant, TenantLimits, UsageDaily, UsageRecord
 from tenants.selectors import usage_per_day
-from tenants.services import api_key_create, api_key_revoke, auth_cache_invalidate
+from tenants.services import api_key_create, api_key_revoke, api_key_rotate, auth_cache_invalidate
 
 CHART_WIDTH, CHART_HEIGHT, CHART_MAX_DAYS = 720, 160, 62
 
@@ -67,11 +68,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
     list_filter = ("tenant", ("revoked_at", admin.EmptyFieldListFilter))
     search_fields = ("name", "prefix", "tenant__slug")
     list_select_related = ("tenant", "created_by")
-    actions = ("revoke_selected",)
+    actions = ("revoke_selected", "rotate_selected")
     secret_template = "admin/tenants/apikey/secret_once.html"
     # The digest is on no form, list or page.
     exclude = ("digest",)
-    _editable = ("name", "expires_at", "requests_per_minute", "tokens_per_minute", "allowed_models")
+    _editable = ("name", "expires_at", "scope", "requests_per_minute", "tokens_per_minute", "allowed_models")
 
     def get_fields(self, request, obj=None):
         if obj is None:
@@ -83,13 +84,22 @@ class ApiKeyAdmin(admin.ModelAdmin):
             "created_by",
             "created_at",
             "last_used_at",
+            "previous_valid_until",
             "revoked_at",
         )
 
     def get_readonly_fields(self, request, obj=None):
         if obj is None:
             return ()
-        return ("tenant", "display_prefix", "created_by", "created_at", "last_used_at", "revoked_at")
+        return (
+            "tenant",
+            "display_prefix",
+            "created_by",
+            "created_at",
+            "last_used_at",
+            "previous_valid_until",
+            "revoked_at",
+        )
 
     @admin.display(description="prefix")
     def display_prefix(self, obj: ApiKey) -> str:
@@ -111,6 +121,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
             requests_per_minute=obj.requests_per_minute,
             tokens_per_minute=obj.tokens_per_minute,
             allowed_models=obj.allowed_models,
+            scope=obj.scope,
         )
         # The admin continues with `obj` (log entry, redirect): make it the saved row.
         for field in ("pk", "prefix", "digest", "created_by_id", "created_at"):
@@ -124,16 +135,37 @@ class ApiKeyAdmin(admin.ModelAdmin):
         raw_key = getattr(request, "_new_api_key_secret", None)
         if raw_key is None:
             return super().response_add(request, obj, post_url_continue)
+        return self._secret_once(request, obj, raw_key, rotated=False)
+
+    def _secret_once(self, request, api_key: ApiKey, raw_key: str, *, rotated: bool):
         context = {
             **self.admin_site.each_context(request),
             "opts": self.model._meta,
-            "api_key": obj,
+            "api_key": api_key,
             "raw_key": raw_key,
+            "rotated": rotated,
             "title": "Copy the new API key now",
         }
         response = TemplateResponse(request, self.secret_template, context)
         add_never_cache_headers(response)
         return response
+
+    @admin.action(
+        description="Rotate the selected API key (the old secret stays valid 24 hours)",
+        permissions=["change"],
+    )
+    def rotate_selected(self, request, queryset):
+        if queryset.count() != 1:
+            self.message_user(
+                request, "Rotate one key at a time: its new secret is shown once.", messages.ERROR
+            )
+            return None
+        try:
+            api_key, raw_key = api_key_rotate(api_key=queryset.get())
+        except InvalidRequestError as exc:
+            self.message_user(request, exc.message, messages.ERROR)
+            return None
+        return self._secret_once(request, api_key, raw_key, rotated=True)
 
     @admin.action(description="Revoke selected API keys", permissions=["change"])
     def revoke_selected(self, request, queryset) -> None:

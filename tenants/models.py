@@ -106,6 +106,10 @@ class Membership(models.Model):
 class ApiKey(models.Model):
     """An API key. Only the lookup prefix and an HMAC digest of the secret are kept."""
 
+    class Scope(models.TextChoices):
+        ALL = "all", "Inference and management (adapters, files, batches, usage)"
+        INFERENCE = "inference", "Inference only"
+
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
     name = models.CharField(max_length=100)
     created_by = models.ForeignKey(
@@ -122,6 +126,15 @@ class ApiKey(models.Model):
     allowed_models = models.JSONField(
         null=True, blank=True, help_text="Null: inherit the tenant's models. A list narrows them."
     )
+    scope = models.CharField(
+        max_length=16,
+        choices=Scope.choices,
+        default=Scope.ALL,
+        help_text="What the key may call: inference only, or inference and the management endpoints.",
+    )
+    # A rotation's overlap: the secret before the last rotation stays valid until then.
+    previous_digest = models.CharField(max_length=64, blank=True, default="", editable=False)
+    previous_valid_until = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -140,6 +153,12 @@ class ApiKey(models.Model):
     @property
     def is_expired(self) -> bool:
         return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
+    def previous_secret_valid(self) -> bool:
+        return bool(self.previous_digest) and (
+            self.previous_valid_until is not None and self.previous_valid_until > timezone.now()
+        )
 
 
 class UsageRecord(models.Model):

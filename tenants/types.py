@@ -32,6 +32,8 @@ class AuthContext:
     # The key's list narrowed by the tenant's: what this caller may use, in the tenant's order.
     allowed_models: tuple[str, ...] = ()
     expires_at: datetime | None = None
+    # What the key may call (core.api.base.ApiView.required_scope): "inference", "manage".
+    scopes: tuple[str, ...] = ("inference", "manage")
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,7 @@ class ListQuerySerializer(StrictSerializer):
 
 
 class FileListCreateApi(ApiView):
+    required_scope = "manage"
     handler_in_pool = True  # a multipart upload is read and counted in a thread of the pool
 
     @extend_schema(
@@ -137,6 +138,8 @@ class FileListCreateApi(ApiView):
 
 
 class FileDetailApi(ApiView):
+    required_scope = "manage"
+
     @extend_schema(
         operation_id="retrieveFile",
         summary="Retrieve a file",
@@ -156,6 +159,8 @@ class FileDetailApi(ApiView):
 
 
 class FileContentApi(ApiView):
+    required_scope = "manage"
+
     @extend_schema(
         operation_id="downloadFile",
         summary="A file's content",
@@ -187,6 +192,8 @@ class BatchCreateSerializer(StrictSerializer):
 
 
 class BatchListCreateApi(ApiView):
+    required_scope = "manage"
+
     @extend_schema(
         operation_id="createBatch",
         summary="Create a batch",
@@ -218,6 +225,8 @@ class BatchListCreateApi(ApiView):
 
 
 class BatchDetailApi(ApiView):
+    required_scope = "manage"
+
     @extend_schema(
         operation_id="retrieveBatch",
         summary="Retrieve a batch",
@@ -228,6 +237,8 @@ class BatchDetailApi(ApiView):
 
 
 class BatchCancelApi(ApiView):
+    required_scope = "manage"
+
     @extend_schema(
         operation_id="cancelBatch",
         request=None,

@@ -32,7 +32,7 @@ from rest_framework.exceptions import ErrorDetail
 
 from core.api.exceptions import error_response, to_platform_error
 from core.concurrency import blocking
-from core.errors import InvalidRequestError, MethodNotAllowedError, PlatformError
+from core.errors import InvalidRequestError, MethodNotAllowedError, PermissionDeniedError, PlatformError
 from core.request_ids import new_request_id
 
 
@@ -97,6 +97,9 @@ class ApiView(View):
     # of the pool rather than on Django's one shared thread, where it would hold up every other
     # request's authentication on this process.
     handler_in_pool = False
+    # The scope a key needs here (the caller's context lists its `scopes`): "inference" for the
+    # model endpoints, "manage" for what manages a tenant's adapters, files, batches and usage.
+    required_scope = "inference"
     # Always dispatched as a coroutine: the handlers below may be sync or async.
     view_is_async = True
 
@@ -128,6 +131,12 @@ class ApiView(View):
             return self._without_handler(request)
         if not self.public:
             self.auth = await self.authenticate(request)
+            scopes = getattr(self.auth, "scopes", (self.required_scope,))
+            if self.required_scope not in scopes:
+                raise PermissionDeniedError(
+                    f"This API key lacks the '{self.required_scope}' scope that "
+                    f"{request.method} {request.path} needs (it has: {', '.join(scopes)})."
+                )
             self.ratelimit_headers = await sync_to_async(_configured("API_REQUEST_ADMIT"))(
                 auth=self.auth, request_id=self.request_id
             )

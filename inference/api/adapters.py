@@ -53,6 +53,8 @@ class AdapterOutputSerializer(serializers.Serializer):
 class AdapterListCreateApi(ApiView):
     """GET: the caller's tenant's adapters. POST: upload (or re-upload) one; validation follows."""
 
+    required_scope = "manage"
+
     @extend_schema_serializer(component_name="CreateAdapter")
     class InputSerializer(StrictSerializer):
         """The multipart form of an upload: the adapter's name, its base model and its files."""
@@ -103,6 +105,8 @@ class AdapterListCreateApi(ApiView):
 
 
 class AdapterDetailApi(ApiView):
+    required_scope = "manage"
+
     @extend_schema_serializer(component_name="AdapterDeleted")
     class DeletedOutputSerializer(serializers.Serializer):
         id = serializers.CharField()

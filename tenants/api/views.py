@@ -37,6 +37,8 @@ class _KeyPrefixField(serializers.CharField):
 class UsageListApi(ApiView):
     """Usage of the calling key's tenant, in buckets per day, model or key."""
 
+    required_scope = "manage"
+
     class InputSerializer(StrictSerializer):
         start = serializers.DateField(
             required=False,

@@ -23,6 +23,7 @@ urlpatterns = [
     path("t/<slug:slug>/keys/new/", views.key_create, name="key_create"),
     path("t/<slug:slug>/keys/<int:key_id>/", views.key_detail, name="key_detail"),
     path("t/<slug:slug>/keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
+    path("t/<slug:slug>/keys/<int:key_id>/rotate/", views.key_rotate, name="key_rotate"),
     path("t/<slug:slug>/usage/", views.usage, name="usage"),
     path("t/<slug:slug>/playground/", views.playground, name="playground"),
 ]

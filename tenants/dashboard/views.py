@@ -10,13 +10,13 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from core.errors import NotFoundError
+from core.errors import InvalidRequestError, NotFoundError
 from tenants.dashboard.access import TenantAccess, memberships_for_user, tenant_page
-from tenants.dashboard.forms import ApiKeyCreateForm
+from tenants.dashboard.forms import ApiKeyCreateForm, ApiKeyRotateForm
 from tenants.dashboard.usage import PERIOD_CHOICES, period_days, usage_report
 from tenants.models import ApiKey
 from tenants.selectors import api_key_get_for_user, api_key_list_for_tenant, quota_status, tenant_get_for_user
-from tenants.services import api_key_create_for_member, api_key_revoke_for_member
+from tenants.services import api_key_create_for_member, api_key_revoke_for_member, api_key_rotate_for_member
 
 WEBSOCKET_CHAT_PATH = "/ws/v1/chat"
 
@@ -78,6 +78,10 @@ def overview(request: HttpRequest, access: TenantAccess) -> HttpResponse:
     return render(request, "dashboard/overview.html", context)
 
 
+def _tenant_models(access: TenantAccess) -> list[str]:
+    return [m for m in (getattr(_limits(access), "allowed_models", None) or []) if isinstance(m, str)]
+
+
 def _keys_page(request: HttpRequest, access: TenantAccess, form: ApiKeyCreateForm, status: int = 200):
     context = access.context(
         active_tab="keys", form=form, keys=list(api_key_list_for_tenant(tenant_id=access.tenant.pk))
@@ -88,14 +92,14 @@ def _keys_page(request: HttpRequest, access: TenantAccess, form: ApiKeyCreateFor
 @require_GET
 @tenant_page
 def keys(request: HttpRequest, access: TenantAccess) -> HttpResponse:
-    return _keys_page(request, access, ApiKeyCreateForm())
+    return _keys_page(request, access, ApiKeyCreateForm(tenant_models=_tenant_models(access)))
 
 
 @require_POST
 @tenant_page
 def key_create(request: HttpRequest, access: TenantAccess) -> HttpResponse:
     access.require_manager(what="API keys")
-    form = ApiKeyCreateForm(request.POST)
+    form = ApiKeyCreateForm(request.POST, tenant_models=_tenant_models(access))
     if not form.is_valid():
         return _keys_page(request, access, form, status=400)
     api_key, secret = api_key_create_for_member(
@@ -103,11 +107,18 @@ def key_create(request: HttpRequest, access: TenantAccess) -> HttpResponse:
         tenant_id=access.tenant.pk,
         name=form.cleaned_data["name"],
         expires_at=form.expires_at(),
+        scope=form.cleaned_data["scope"],
+        allowed_models=form.allowed_models(),
+        requests_per_minute=form.cleaned_data["requests_per_minute"],
+        tokens_per_minute=form.cleaned_data["tokens_per_minute"],
     )
+    return _secret_page(request, access, api_key, secret, rotated=False)
+
+
+def _secret_page(request: HttpRequest, access: TenantAccess, api_key: ApiKey, secret: str, *, rotated: bool):
     # The secret exists only in this response: it must not be kept by any cache or the back button.
-    response = render(
-        request, "dashboard/key_created.html", access.context(active_tab="keys", key=api_key, secret=secret)
-    )
+    context = access.context(active_tab="keys", key=api_key, secret=secret, rotated=rotated)
+    response = render(request, "dashboard/key_created.html", context)
     add_never_cache_headers(response)
     return response
 
@@ -124,7 +135,46 @@ def _tenant_key(request: HttpRequest, access: TenantAccess, key_id: int) -> ApiK
 @tenant_page
 def key_detail(request: HttpRequest, access: TenantAccess, key_id: int) -> HttpResponse:
     api_key = _tenant_key(request, access, key_id)
-    return render(request, "dashboard/key_detail.html", access.context(active_tab="keys", key=api_key))
+    return _key_detail_page(request, access, api_key, ApiKeyRotateForm())
+
+
+def _key_detail_page(
+    request: HttpRequest, access: TenantAccess, api_key: ApiKey, form: ApiKeyRotateForm, status: int = 200
+) -> HttpResponse:
+    context = access.context(
+        active_tab="keys",
+        key=api_key,
+        rotate_form=form,
+        previous_left=_time_left(api_key.previous_valid_until),
+    )
+    return render(request, "dashboard/key_detail.html", context, status=status)
+
+
+def _time_left(until) -> str | None:
+    """How long until `until`, as "5 h 12 min" (None once it passed)."""
+    if until is None or until <= timezone.now():
+        return None
+    minutes = int((until - timezone.now()).total_seconds() // 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min"
+
+
+@require_POST
+@tenant_page
+def key_rotate(request: HttpRequest, access: TenantAccess, key_id: int) -> HttpResponse:
+    api_key = _tenant_key(request, access, key_id)
+    access.require_manager(what="API keys")
+    form = ApiKeyRotateForm(request.POST)
+    if not form.is_valid():
+        return _key_detail_page(request, access, api_key, form, status=400)
+    try:
+        api_key, secret = api_key_rotate_for_member(
+            user=request.user, api_key_id=api_key.pk, grace=form.grace()
+        )
+    except InvalidRequestError as exc:
+        form.add_error(None, exc.message)
+        return _key_detail_page(request, access, api_key, form, status=400)
+    return _secret_page(request, access, api_key, secret, rotated=True)
 
 
 @require_http_methods(["GET", "POST"])

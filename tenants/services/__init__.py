@@ -17,6 +17,7 @@ from tenants.services.api_keys import (
     api_key_create,
     api_key_digest,
     api_key_revoke,
+    api_key_rotate,
     auth_cache_invalidate,
     bearer_token,
 )
@@ -29,6 +30,7 @@ from tenants.services.settlements import (
 from tenants.services.tenants import (
     api_key_create_for_member,
     api_key_revoke_for_member,
+    api_key_rotate_for_member,
     membership_can_manage,
     membership_create,
     membership_require_manager,
@@ -49,6 +51,8 @@ __all__ = [
     "api_key_digest",
     "api_key_revoke",
     "api_key_revoke_for_member",
+    "api_key_rotate",
+    "api_key_rotate_for_member",
     "auth_cache_invalidate",
     "bearer_token",
     "membership_can_manage",

@@ -18,13 +18,13 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import AuthenticationError, PermissionDeniedError
+from core.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
 from core.redis_client import get_redis, rkey
 from tenants.models import ApiKey, Tenant, TenantLimits
 from tenants.types import AuthContext, TenantLimitValues
@@ -61,11 +61,16 @@ def api_key_create(
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
     allowed_models: list[str] | None = None,
+    scope: str = ApiKey.Scope.ALL,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns it with the raw secret, which exists nowhere else afterwards."""
+    if scope not in ApiKey.Scope.values:
+        raise InvalidRequestError(
+            f"Unknown key scope {scope!r}: use one of {', '.join(ApiKey.Scope.values)}."
+        )
     for _attempt in range(5):
         prefix = secrets.token_hex(6)
-        raw_key = f"sk-{prefix}_{secrets.token_urlsafe(32)}"
+        raw_key = _raw_key(prefix)
         try:
             with transaction.atomic():
                 api_key = ApiKey.objects.create(
@@ -78,11 +83,43 @@ def api_key_create(
                     requests_per_minute=requests_per_minute,
                     tokens_per_minute=tokens_per_minute,
                     allowed_models=allowed_models,
+                    scope=scope,
                 )
         except IntegrityError:
             continue  # a prefix collision (48 random bits): draw again
         return api_key, raw_key
     raise RuntimeError("could not draw a unique API key prefix")
+
+
+def _raw_key(prefix: str) -> str:
+    return f"sk-{prefix}_{secrets.token_urlsafe(32)}"
+
+
+# How long the secret a rotation replaces stays valid, unless the caller says otherwise.
+ROTATION_GRACE_DEFAULT = timedelta(hours=24)
+
+
+def api_key_rotate(*, api_key: ApiKey, grace: timedelta = ROTATION_GRACE_DEFAULT) -> tuple[ApiKey, str]:
+    """Give the key a new secret (same prefix, limits, scope and ledger) and keep the current one
+    valid for `grace` (none: invalid at once). A secret an earlier rotation kept is dropped.
+    Returns the key and its new raw secret, which exists nowhere else afterwards."""
+    if grace < timedelta(0):
+        raise InvalidRequestError("The grace period of a rotation cannot be negative.")
+    raw_key = _raw_key(api_key.prefix)
+    now = timezone.now()
+    with transaction.atomic():
+        locked = ApiKey.objects.select_for_update().get(pk=api_key.pk)
+        if locked.is_revoked:
+            raise InvalidRequestError("A revoked key cannot be rotated.", code="api_key_revoked")
+        if locked.is_expired:
+            raise InvalidRequestError("An expired key cannot be rotated.", code="api_key_expired")
+        keep_old = grace > timedelta(0)
+        locked.previous_digest = locked.digest if keep_old else ""
+        locked.previous_valid_until = now + grace if keep_old else None
+        locked.digest = api_key_digest(raw_key=raw_key)
+        locked.save(update_fields=["digest", "previous_digest", "previous_valid_until"])
+        _invalidate_on_commit()
+    return locked, raw_key
 
 
 def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
@@ -97,9 +134,26 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
 
 
 @dataclass(frozen=True, slots=True)
+class _Secrets:
+    """The digests a key accepts: its secret's, and until `previous_until` the one a rotation replaced."""
+
+    digest: str
+    previous: str = ""
+    previous_until: datetime | None = None
+
+    def match(self, digest: str) -> str | None:
+        """Which secret the digest is of: "current", "previous", or None for neither."""
+        if hmac.compare_digest(self.digest, digest):
+            return "current"
+        if self.previous and hmac.compare_digest(self.previous, digest):
+            return "previous"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class _Cached:
     context: AuthContext
-    digest: str
+    secrets: _Secrets
     epoch: bytes | None
     stored_at: float
 
@@ -139,6 +193,7 @@ def _context_from_row(api_key: ApiKey) -> AuthContext:
         key_tokens_per_minute=api_key.tokens_per_minute,
         allowed_models=tuple(allowed),
         expires_at=api_key.expires_at,
+        scopes=("inference",) if api_key.scope == ApiKey.Scope.INFERENCE else ("inference", "manage"),
     )
 
 
@@ -147,15 +202,18 @@ def _invalid(raw_key: str) -> AuthenticationError:
     return AuthenticationError(f"Incorrect API key provided: {shown}.")
 
 
-def _resolve(*, prefix: str, digest: str, raw_key: str) -> tuple[AuthContext, str]:
+def _resolve(*, prefix: str, digest: str, raw_key: str) -> tuple[AuthContext, _Secrets]:
     api_key = ApiKey.objects.select_related("tenant", "tenant__limits").filter(prefix=prefix).first()
-    if api_key is None or not hmac.compare_digest(api_key.digest, digest):
+    if api_key is None:
+        raise _invalid(raw_key)
+    accepted = _Secrets(api_key.digest, api_key.previous_digest, api_key.previous_valid_until)
+    if accepted.match(digest) is None:
         raise _invalid(raw_key)
     if api_key.revoked_at is not None:
         raise AuthenticationError("This API key has been revoked.")
     if not api_key.tenant.active:
         raise PermissionDeniedError("This organization is not active.", code="tenant_inactive")
-    return _context_from_row(api_key), api_key.digest
+    return _context_from_row(api_key), accepted
 
 
 def _touch_last_used(api_key_id: int) -> None:
@@ -173,7 +231,7 @@ def api_key_authenticate(*, raw_key: str) -> AuthContext:
     last_used_key = rkey("auth", "used", prefix)
     cached = _cache.get(prefix)
     ttl = float(getattr(settings, "API_KEY_CACHE_SECONDS", 30))
-    if cached and time.monotonic() - cached.stored_at < ttl and hmac.compare_digest(cached.digest, digest):
+    if cached and time.monotonic() - cached.stored_at < ttl and cached.secrets.match(digest):
         # One round trip: the epoch check plus the at-most-once-a-minute last-used guard.
         pipe = client.pipeline(transaction=False)
         pipe.get(_epoch_key())
@@ -185,15 +243,22 @@ def api_key_authenticate(*, raw_key: str) -> AuthContext:
     if context is None:
         # The epoch was read before the row: a revocation committed after this read bumps the
         # epoch past the one cached here, so the next request resolves again.
-        context, stored_digest = _resolve(prefix=prefix, digest=digest, raw_key=raw_key)
+        context, accepted = _resolve(prefix=prefix, digest=digest, raw_key=raw_key)
         with _cache_lock:
             if len(_cache) >= _CACHE_MAX_ENTRIES:
                 _cache.clear()
-            _cache[prefix] = _Cached(context, stored_digest, epoch, time.monotonic())
+            _cache[prefix] = cached = _Cached(context, accepted, epoch, time.monotonic())
         if first_use_this_minute is None:
             first_use_this_minute = client.set(last_used_key, 1, nx=True, ex=_LAST_USED_EVERY_SECONDS)
-    if context.expires_at is not None and context.expires_at <= timezone.now():
+    now = timezone.now()
+    if context.expires_at is not None and context.expires_at <= now:
         raise AuthenticationError("This API key has expired.")
+    # The secret a rotation replaced ends at its time in every process, cached or not.
+    assert cached is not None
+    if cached.secrets.match(digest) == "previous" and not (
+        cached.secrets.previous_until is not None and now < cached.secrets.previous_until
+    ):
+        raise AuthenticationError("This API key's secret was rotated and its grace period is over.")
     if first_use_this_minute:
         _touch_last_used(context.api_key_id)
     return context

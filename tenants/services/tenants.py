@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -11,7 +11,13 @@ from django.db import transaction
 from core.errors import PermissionDeniedError
 from tenants.models import ApiKey, Membership, Tenant, TenantLimits
 from tenants.selectors import api_key_get_for_user, membership_get
-from tenants.services.api_keys import api_key_create, api_key_revoke, auth_cache_invalidate
+from tenants.services.api_keys import (
+    ROTATION_GRACE_DEFAULT,
+    api_key_create,
+    api_key_revoke,
+    api_key_rotate,
+    auth_cache_invalidate,
+)
 
 # The limits of a tenant that services (and the admin) set.
 LIMIT_FIELDS = (
@@ -123,11 +129,37 @@ def membership_require_manager(*, user, tenant_id: int, what: str = "API keys") 
 
 
 def api_key_create_for_member(
-    *, user, tenant_id: int, name: str, expires_at: datetime | None = None
+    *,
+    user,
+    tenant_id: int,
+    name: str,
+    expires_at: datetime | None = None,
+    scope: str = ApiKey.Scope.ALL,
+    allowed_models: list[str] | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Owners and admins create keys; members only read. Returns the key and its raw secret."""
     membership = membership_require_manager(user=user, tenant_id=tenant_id)
-    return api_key_create(tenant=membership.tenant, name=name, created_by=user, expires_at=expires_at)
+    return api_key_create(
+        tenant=membership.tenant,
+        name=name,
+        created_by=user,
+        expires_at=expires_at,
+        scope=scope,
+        allowed_models=allowed_models,
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+    )
+
+
+def api_key_rotate_for_member(
+    *, user, api_key_id: int, grace: timedelta = ROTATION_GRACE_DEFAULT
+) -> tuple[ApiKey, str]:
+    """Owners and admins rotate their tenant's keys (NotFoundError for anyone outside it)."""
+    api_key = api_key_get_for_user(user=user, api_key_id=api_key_id)
+    membership_require_manager(user=user, tenant_id=api_key.tenant_id)
+    return api_key_rotate(api_key=api_key, grace=grace)
 
 
 def api_key_revoke_for_member(*, user, api_key_id: int) -> ApiKey:

@@ -4,12 +4,13 @@ shown once, a revoke action, never a digest), and the usage ledger with filters 
 from __future__ import annotations
 
 import re
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.test import Client
+from django.utils import timezone
 
 from core.errors import AuthenticationError
 from tenants.models import ApiKey, Membership, Tenant, UsageDaily, UsageRecord
@@ -150,6 +151,7 @@ def test_key_created_in_the_admin_shows_its_secret_once_and_never_the_digest(ope
             "name": "from the admin",
             "requests_per_minute": "30",
             "allowed_models": "null",
+            "scope": "all",
         },
     )
 
@@ -188,12 +190,55 @@ def test_key_change_form_cannot_move_a_key_or_touch_its_digest(operator, world):
     digest = key.digest
     response = operator.post(
         f"/admin/tenants/apikey/{key.pk}/change/",
-        {"name": "renamed", "tenant": str(world.tenant_b.pk), "digest": "0" * 64, "allowed_models": "null"},
+        {
+            "name": "renamed",
+            "tenant": str(world.tenant_b.pk),
+            "digest": "0" * 64,
+            "previous_digest": "1" * 64,
+            "allowed_models": "null",
+            "scope": "inference",
+        },
     )
 
     assert response.status_code == 302
     key.refresh_from_db()
-    assert (key.name, key.tenant_id, key.digest) == ("renamed", world.tenant_a.pk, digest)
+    assert (key.name, key.tenant_id, key.digest, key.previous_digest) == (
+        "renamed",
+        world.tenant_a.pk,
+        digest,
+        "",
+    )
+    assert key.scope == "inference"
+
+
+def test_rotate_action_shows_the_new_secret_once_and_keeps_the_old_one_for_a_day(operator, world):
+    response = operator.post(
+        "/admin/tenants/apikey/", {"action": "rotate_selected", "_selected_action": [str(world.key_a.pk)]}
+    )
+
+    assert response.status_code == 200
+    assert "no-store" in response["Cache-Control"]
+    html = response.content.decode()
+    raw_key = re.search(r'id="new-api-key" readonly value="(sk-[^"]+)"', html).group(1)
+    assert "was rotated (its previous secret stays valid until" in html
+    key = ApiKey.objects.get(pk=world.key_a.pk)
+    assert timedelta(hours=23, minutes=59) < key.previous_valid_until - timezone.now() <= timedelta(hours=24)
+    assert api_key_authenticate(raw_key=raw_key).api_key_id == key.pk
+    assert api_key_authenticate(raw_key=world.raw_key_a).api_key_id == key.pk
+
+
+def test_rotate_action_takes_one_key_at_a_time(operator, world):
+    spare, _ = api_key_create(tenant=world.tenant_a, name="spare")
+    digests = dict(ApiKey.objects.values_list("pk", "digest"))
+
+    response = operator.post(
+        "/admin/tenants/apikey/",
+        {"action": "rotate_selected", "_selected_action": [str(world.key_a.pk), str(spare.pk)]},
+        follow=True,
+    )
+
+    assert "Rotate one key at a time" in response.content.decode()
+    assert dict(ApiKey.objects.values_list("pk", "digest")) == digests
 
 
 def test_revoke_action_revokes_the_selected_keys_everywhere(

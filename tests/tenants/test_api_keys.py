@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from core.errors import AuthenticationError, PermissionDeniedError
+from core.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
 from core.redis_client import get_redis
 from tenants.models import ApiKey
 from tenants.ratelimit.limiter import open_settlements_key
@@ -21,6 +21,7 @@ from tenants.services import (
     api_key_create,
     api_key_digest,
     api_key_revoke,
+    api_key_rotate,
     tenant_limits_update,
     tenant_set_active,
 )
@@ -195,3 +196,76 @@ def test_expired_key_is_refused_by_another_web_process_at_its_time(world, web_pr
         "invalid_api_key",
         "This API key has expired.",
     )
+
+
+def test_a_rotated_key_takes_its_new_secret_and_keeps_the_old_one_for_the_grace_period(world):
+    old_context = api_key_authenticate(raw_key=world.raw_key_a)  # and cached
+
+    api_key, new_raw = api_key_rotate(api_key=world.key_a, grace=timedelta(hours=24))
+
+    assert new_raw != world.raw_key_a and new_raw.startswith(f"{world.key_a.display_prefix}_")
+    assert api_key.pk == world.key_a.pk and api_key.previous_digest == world.key_a.digest
+    assert api_key_authenticate(raw_key=new_raw) == old_context  # same key: limits, scope, ledger
+    assert api_key_authenticate(raw_key=world.raw_key_a) == old_context
+    assert api_key.previous_valid_until - timezone.now() > timedelta(hours=23, minutes=59)
+
+
+def test_the_old_secret_of_a_rotation_is_refused_at_the_end_of_its_grace_period(world, monkeypatch):
+    api_key, new_raw = api_key_rotate(api_key=world.key_a, grace=timedelta(seconds=1))
+    assert api_key_authenticate(raw_key=world.raw_key_a).api_key_id == api_key.pk  # and cached
+    # The clock moves past the grace period instead of the test waiting for it.
+    end = api_key.previous_valid_until
+    monkeypatch.setattr(timezone, "now", lambda: end + timedelta(milliseconds=50))
+
+    with pytest.raises(AuthenticationError, match="rotated and its grace period is over"):
+        api_key_authenticate(raw_key=world.raw_key_a)
+    assert api_key_authenticate(raw_key=new_raw).api_key_id == api_key.pk
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rotation_without_grace_refuses_the_old_secret_at_once_in_every_process(world):
+    api_key_authenticate(raw_key=world.raw_key_a)  # cached
+
+    _, new_raw = api_key_rotate(api_key=world.key_a, grace=timedelta(0))
+
+    with pytest.raises(AuthenticationError) as refused:
+        api_key_authenticate(raw_key=world.raw_key_a)
+    assert refused.value.code == "invalid_api_key"
+    assert api_key_authenticate(raw_key=new_raw).api_key_id == world.key_a.pk
+
+
+def test_a_second_rotation_drops_the_secret_the_first_one_kept(world):
+    _, second_raw = api_key_rotate(api_key=world.key_a)
+    _, third_raw = api_key_rotate(api_key=world.key_a)
+
+    with pytest.raises(AuthenticationError):
+        api_key_authenticate(raw_key=world.raw_key_a)
+    assert api_key_authenticate(raw_key=second_raw).api_key_id == world.key_a.pk
+    assert api_key_authenticate(raw_key=third_raw).api_key_id == world.key_a.pk
+
+
+def test_a_revoked_key_cannot_be_rotated_and_keeps_its_digest(world):
+    api_key_revoke(api_key=world.key_a)
+    digest = ApiKey.objects.get(pk=world.key_a.pk).digest
+
+    with pytest.raises(InvalidRequestError, match="revoked key cannot be rotated"):
+        api_key_rotate(api_key=world.key_a)
+
+    assert ApiKey.objects.get(pk=world.key_a.pk).digest == digest
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rotated_secret_is_refused_by_another_web_process_at_the_end_of_its_grace(world, web_process):
+    assert _get_usage(web_process, world.raw_key_b)[0] == 200  # the server is warm
+    assert _get_usage(web_process, world.raw_key_a)[0] == 200  # resolved and cached there
+    api_key, new_raw = api_key_rotate(api_key=world.key_a, grace=timedelta(seconds=2))
+    assert _get_usage(web_process, world.raw_key_a)[0] == 200
+    assert _get_usage(web_process, new_raw)[0] == 200
+
+    # A passage of time, not a synchronisation: the other process's clock cannot be moved.
+    time.sleep(max(0.0, (api_key.previous_valid_until - timezone.now()).total_seconds()) + 0.05)
+
+    status, body = _get_usage(web_process, world.raw_key_a)
+    assert (status, body["error"]["code"]) == (401, "invalid_api_key")
+    assert body["error"]["message"] == "This API key's secret was rotated and its grace period is over."
+    assert _get_usage(web_process, new_raw)[0] == 200

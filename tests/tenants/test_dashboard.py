@@ -24,6 +24,7 @@ from tenants.services import (
     api_key_create,
     membership_create,
     tenant_create,
+    tenant_limits_update,
 )
 from tests.helpers import PASSWORD, acme, logged_in, usage_row
 
@@ -359,3 +360,78 @@ def test_switching_to_something_that_is_not_a_tenant_slug_is_404_not_a_crash(wor
     response = logged_in(world.member_a).get(reverse("dashboard:switch"), {"tenant": value})
 
     assert response.status_code == 404
+
+
+def test_owner_creates_a_scoped_key_limited_to_inference_some_models_and_its_own_rates(world):
+    tenant_limits_update(tenant=world.tenant_a, allowed_models=["acme-chat", "acme-embed"])
+    client = logged_in(world.owner_a)
+    form = client.get(reverse("dashboard:keys", args=["acme"])).content.decode()
+    assert 'value="acme-chat"' in form and 'value="acme-embed"' in form
+
+    response = client.post(
+        reverse("dashboard:key_create", args=["acme"]),
+        {
+            "name": "chat only",
+            "scope": "inference",
+            "models": ["acme-chat"],
+            "requests_per_minute": "30",
+            "tokens_per_minute": "5000",
+        },
+    )
+
+    assert response.status_code == 200
+    key = ApiKey.objects.get(tenant=world.tenant_a, name="chat only")
+    assert (key.scope, key.allowed_models, key.requests_per_minute, key.tokens_per_minute) == (
+        "inference",
+        ["acme-chat"],
+        30,
+        5000,
+    )
+    detail = client.get(reverse("dashboard:key_detail", args=["acme", key.pk])).content.decode()
+    assert "Inference only" in detail and "acme-chat" in detail
+
+
+def test_a_model_outside_the_tenants_is_not_offered_and_is_refused(world):
+    tenant_limits_update(tenant=world.tenant_a, allowed_models=["acme-chat"])
+
+    response = logged_in(world.owner_a).post(
+        reverse("dashboard:key_create", args=["acme"]), {"name": "sneaky", "models": ["globex-secret-model"]}
+    )
+
+    assert response.status_code == 400
+    assert "Select a valid choice" in response.content.decode()
+    assert not ApiKey.objects.filter(name="sneaky").exists()
+
+
+def test_admin_rotates_a_key_sees_the_new_secret_once_and_the_old_one_with_its_time_left(world):
+    client = logged_in(world.admin_a)
+    url = reverse("dashboard:key_rotate", args=["acme", world.key_a.pk])
+
+    response = client.post(url, {"grace_hours": "24"})
+
+    assert response.status_code == 200
+    assert "no-store" in response["Cache-Control"]
+    html = response.content.decode()
+    raw_key = re.search(r'value="(sk-[^"]+)"', html).group(1)
+    assert 'id="rotation-note"' in html and "The previous secret stays valid until" in html
+    assert api_key_authenticate(raw_key=raw_key).api_key_id == world.key_a.pk
+    assert api_key_authenticate(raw_key=world.raw_key_a).api_key_id == world.key_a.pk
+    detail = client.get(reverse("dashboard:key_detail", args=["acme", world.key_a.pk])).content.decode()
+    assert re.search(r'id="previous-secret">Valid until .* \(23 h 5\d min left\)', detail)
+    assert raw_key not in detail
+    listing = client.get(reverse("dashboard:keys", args=["acme"])).content.decode()
+    assert "Rotated: old secret valid until" in listing
+
+
+def test_a_member_cannot_rotate_and_an_outsider_gets_404(world):
+    digest = world.key_a.digest
+    url = reverse("dashboard:key_rotate", args=["acme", world.key_a.pk])
+
+    member = logged_in(world.member_a).post(url, {"grace_hours": "24"})
+    outsider = logged_in(world.outsider_b).post(url, {"grace_hours": "24"})
+    through_b = logged_in(world.outsider_b).post(
+        reverse("dashboard:key_rotate", args=["globex", world.key_a.pk]), {"grace_hours": "24"}
+    )
+
+    assert (member.status_code, outsider.status_code, through_b.status_code) == (403, 404, 404)
+    assert ApiKey.objects.get(pk=world.key_a.pk).digest == digest
