@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import date, timedelta
 
+from django.http import HttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers
@@ -12,6 +13,7 @@ from core.api.base import ApiView, StrictSerializer, validated
 from core.api.openapi import api_errors, list_of
 from core.errors import InvalidRequestError
 from tenants.selectors import GROUP_BY_CHOICES, usage_summary
+from tenants.usage_csv import CSV_GROUP_BY, usage_csv, usage_csv_filename
 
 MAX_RANGE_DAYS = 366
 # Day arithmetic past these (a default start 29 days back, an end's next midnight) would leave
@@ -53,7 +55,14 @@ class UsageListApi(ApiView):
             help_text="The last day (UTC), YYYY-MM-DD; by default today.",
         )
         group_by = serializers.CharField(
-            default="day", help_text="One or more of day, model, key, comma-separated, each once."
+            required=False,
+            help_text="One or more of day, model, key, comma-separated, each once; by default day "
+            "(day,model,key for CSV).",
+        )
+        format = serializers.ChoiceField(
+            choices=["json", "csv"],
+            default="json",
+            help_text="csv: the buckets as a CSV file (text/csv), a row each, with a header row.",
         )
 
         def validate_group_by(self, value: str) -> tuple[str, ...]:
@@ -121,7 +130,16 @@ class UsageListApi(ApiView):
             raise InvalidRequestError(
                 f"The range may span at most {MAX_RANGE_DAYS} days.", param="start", code="invalid_range"
             )
-        group_by = params["group_by"]
+        if params["format"] == "csv":
+            group_by = params.get("group_by") or CSV_GROUP_BY
+            response = HttpResponse(
+                usage_csv(tenant_id=self.auth.tenant_id, start=start, end=end, group_by=group_by),
+                content_type="text/csv; charset=utf-8",
+            )
+            filename = usage_csv_filename(tenant_slug=self.auth.tenant_slug, start=start, end=end)
+            response["Content-Disposition"] = f'attachment; filename="{filename}"'
+            return response
+        group_by = params.get("group_by") or ("day",)
         buckets = usage_summary(tenant_id=self.auth.tenant_id, start=start, end=end, group_by=group_by)
         return {
             "object": "list",

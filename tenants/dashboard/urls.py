@@ -25,5 +25,6 @@ urlpatterns = [
     path("t/<slug:slug>/keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
     path("t/<slug:slug>/keys/<int:key_id>/rotate/", views.key_rotate, name="key_rotate"),
     path("t/<slug:slug>/usage/", views.usage, name="usage"),
+    path("t/<slug:slug>/usage.csv", views.usage_export, name="usage_export"),
     path("t/<slug:slug>/playground/", views.playground, name="playground"),
 ]

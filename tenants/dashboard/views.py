@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse
@@ -17,6 +19,7 @@ from tenants.dashboard.usage import PERIOD_CHOICES, period_days, usage_report
 from tenants.models import ApiKey
 from tenants.selectors import api_key_get_for_user, api_key_list_for_tenant, quota_status, tenant_get_for_user
 from tenants.services import api_key_create_for_member, api_key_revoke_for_member, api_key_rotate_for_member
+from tenants.usage_csv import usage_csv, usage_csv_filename
 
 WEBSOCKET_CHAT_PATH = "/ws/v1/chat"
 
@@ -209,6 +212,21 @@ def usage(request: HttpRequest, access: TenantAccess) -> HttpResponse:
         chart_models=report.chart_models(),
     )
     return render(request, "dashboard/usage.html", context)
+
+
+@require_GET
+@tenant_page
+def usage_export(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    """The usage page's period as CSV: a row per day, model and key."""
+    days = period_days(request.GET.get("days"))
+    end = timezone.now().date()
+    start = end - timedelta(days=days - 1)
+    response = HttpResponse(
+        usage_csv(tenant_id=access.tenant.pk, start=start, end=end), content_type="text/csv; charset=utf-8"
+    )
+    filename = usage_csv_filename(tenant_slug=access.tenant.slug, start=start, end=end)
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    return response
 
 
 @require_GET

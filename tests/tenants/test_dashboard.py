@@ -435,3 +435,24 @@ def test_a_member_cannot_rotate_and_an_outsider_gets_404(world):
 
     assert (member.status_code, outsider.status_code, through_b.status_code) == (403, 404, 404)
     assert ApiKey.objects.get(pk=world.key_a.pk).digest == digest
+
+
+def test_usage_page_downloads_its_period_as_csv_for_its_tenant_only(world):
+    _record(key=world.key_a, model="tiny-llama", prompt=100, completion=20)
+    _record(key=world.key_a, model="tiny-llama", prompt=5_000, completion=5_000, days_ago=40)
+    _record(key=world.key_b, model="globex-secret-model", prompt=777, completion=777)
+    client = logged_in(world.member_a)
+    page = client.get(reverse("dashboard:usage", args=["acme"]) + "?days=7").content.decode()
+    link = re.search(r'href="([^"]+)" id="usage-csv"', page).group(1)
+
+    response = client.get(link.replace("&amp;", "&"))
+
+    assert response.status_code == 200 and response["Content-Type"] == "text/csv; charset=utf-8"
+    today = timezone.now().date()
+    rows = response.content.decode().splitlines()
+    assert rows[1:] == [
+        f"{today.isoformat()},tiny-llama,{world.key_a.display_prefix},acme-prod,1,0,100,20,0,120,120"
+    ]
+    assert (
+        logged_in(world.outsider_b).get(reverse("dashboard:usage_export", args=["acme"])).status_code == 404
+    )

@@ -276,3 +276,48 @@ def test_celery_beat_schedules_the_rollup_and_the_task_rolls_up(world):
     today = timezone.now().date().isoformat()
     assert app.tasks[entries[0].task].apply().get()[today] == 1
     assert UsageDaily.objects.get(day=timezone.now().date()).prompt_tokens == 3
+
+
+def test_usage_api_answers_csv_with_a_row_per_day_model_and_key_of_the_callers_tenant(world, api_client):
+    world.key_a.name = "=HYPERLINK(evil)"  # a spreadsheet must not run a key's name as a formula
+    world.key_a.save(update_fields=["name"])
+    _record(world, "a1", prompt=10, completion=5, cached=2, at=_at(DAY1, 3))
+    _record(world, "a2", prompt=1, completion=1, status="error", at=_at(DAY1, 4))
+    _record(world, "a3", model="other-model", prompt=20, completion=10, at=_at(DAY2, 5))
+    _record(world, "b1", key=world.key_b, prompt=1000, completion=1000, at=_at(DAY1, 3))
+    query = {"start": "2026-03-01", "end": "2026-03-31", "format": "csv"}
+
+    response = api_client.get("/v1/usage", query, **bearer(world.raw_key_a))
+
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/csv; charset=utf-8"
+    assert response["Content-Disposition"] == (
+        f'attachment; filename="usage-{world.tenant_a.slug}-2026-03-01-2026-03-31.csv"'
+    )
+    prefix = world.key_a.display_prefix
+    assert response.content.decode().splitlines() == [
+        "date,model,api_key_prefix,api_key_name,requests,errors,prompt_tokens,completion_tokens,"
+        "cached_tokens,total_tokens,billed_tokens",
+        f"2026-03-09,{MODEL},{prefix},'=HYPERLINK(evil),2,1,11,6,2,17,17",
+        f"2026-03-10,other-model,{prefix},'=HYPERLINK(evil),1,0,20,10,0,30,30",
+    ]
+
+
+def test_usage_csv_takes_the_dimensions_asked_for(world, api_client):
+    _record(world, "a1", prompt=10, completion=5, at=_at(DAY1, 3))
+    _record(world, "a3", model="other-model", prompt=20, completion=10, at=_at(DAY2, 5))
+    query = {"start": "2026-03-01", "end": "2026-03-31", "format": "csv", "group_by": "model"}
+
+    response = api_client.get("/v1/usage", query, **bearer(world.raw_key_a))
+
+    assert response.content.decode().splitlines()[1:] == [
+        "other-model,1,0,20,10,0,30,30",
+        f"{MODEL},1,0,10,5,0,15,15",
+    ]
+
+
+def test_usage_api_refuses_an_unknown_format(world, api_client):
+    response = api_client.get("/v1/usage", {"format": "xml"}, **bearer(world.raw_key_a))
+
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "format"
