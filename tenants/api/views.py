@@ -6,6 +6,7 @@ from datetime import date, timedelta
 
 from django.http import HttpResponse
 from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, extend_schema_serializer
 from rest_framework import serializers
 
@@ -110,13 +111,14 @@ class UsageListApi(ApiView):
         description="Requests, errors and tokens per day, model or key (or several, comma-separated).",
         parameters=[InputSerializer],
         responses={
-            200: list_of(
+            (200, "application/json"): list_of(
                 "UsageList",
                 OutputSerializer,
                 start=serializers.DateField(),
                 end=serializers.DateField(),
                 group_by=serializers.CharField(),
             ),
+            (200, "text/csv"): OpenApiTypes.STR,
             **api_errors(400),
         },
     )
