@@ -192,6 +192,8 @@ CELERY_BEAT_SCHEDULE: dict = {
         "schedule": envfloat("PAGODA_BATCH_RESUME_EVERY_SECONDS", 10.0),
         "options": {"expires": 10.0},
     },
+    # Audit entries past their retention.
+    "tenants-audit-purge": {"task": "tenants.tasks.audit_purge", "schedule": 24 * 3600.0},
     # Requests whose web process died, and ledger rows that waited for the database.
     "inference-settlements-sweep": {
         "task": "inference.tasks.settlements_sweep",
@@ -343,6 +345,8 @@ BATCH_RUNNER_LEASE_S = envint("PAGODA_BATCH_RUNNER_LEASE_S", 30, minimum=2)
 # Bearer token for GET /metrics and the detailed GET /ready (staff sessions need none). Empty: only
 # staff may read them; /ready anonymously says ready or not and nothing else.
 METRICS_TOKEN = envstr("PAGODA_METRICS_TOKEN", "") or ""
+# Days the audit log keeps an entry (a daily task removes older ones).
+AUDIT_RETENTION_DAYS = envint("PAGODA_AUDIT_RETENTION_DAYS", 365, minimum=1)
 # The limits a new tenant starts with, finite so that a tenant nobody configured cannot take a whole
 # replica; operators change them per tenant in the admin (an empty field there means unlimited).
 TENANT_DEFAULT_LIMITS = {

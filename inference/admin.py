@@ -21,6 +21,7 @@ from inference.models import LoraAdapter, ModelDeployment, StoredResponse
 from inference.selectors import deployment_list_enabled, deployment_replicas
 from inference.services.adapters import adapter_delete, adapter_revalidate, adapter_upload
 from inference.services.deployments import ModelDirectoryError, model_facts
+from tenants.admin_audit import AuditedAdmin
 
 
 def _replica_rows(name: str):
@@ -69,7 +70,7 @@ class ModelDeploymentForm(forms.ModelForm):
 
 
 @admin.register(ModelDeployment)
-class ModelDeploymentAdmin(admin.ModelAdmin):
+class ModelDeploymentAdmin(AuditedAdmin):
     form = ModelDeploymentForm
     list_display = ("name", "task", "enabled", "max_model_len", "dtype", "live_replicas", "updated_at")
     list_filter = ("enabled", "task", "dtype")
@@ -137,7 +138,7 @@ _UPLOAD_FIELDS = {"name": "name", "base_model": "base_model", "file": "files"}
 
 
 @admin.register(LoraAdapter)
-class LoraAdapterAdmin(admin.ModelAdmin):
+class LoraAdapterAdmin(AuditedAdmin):
     list_display = ("name", "tenant", "base_model", "status", "rank", "size_bytes", "updated_at")
     list_filter = ("status", "base_model", "tenant")
     search_fields = ("name", "tenant__slug")

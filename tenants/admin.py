@@ -10,7 +10,9 @@ from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
 from core.errors import InvalidRequestError
-from tenants.models import ApiKey, Membership, Tenant, TenantLimits, UsageDaily, UsageRecord
+from tenants.admin_audit import AuditedAdmin
+from tenants.audit_csv import audit_csv_response
+from tenants.models import ApiKey, AuditEntry, Membership, Tenant, TenantLimits, UsageDaily, UsageRecord
 from tenants.selectors import usage_per_day
 from tenants.services import api_key_create, api_key_revoke, api_key_rotate, auth_cache_invalidate
 
@@ -40,7 +42,7 @@ class MembershipInline(admin.TabularInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(AuditedAdmin):
     list_display = ("name", "slug", "active", "created_at")
     list_filter = ("active",)
     search_fields = ("name", "slug")
@@ -54,7 +56,7 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(AuditedAdmin):
     list_display = (
         "name",
         "display_prefix",
@@ -70,6 +72,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
     list_select_related = ("tenant", "created_by")
     actions = ("revoke_selected", "rotate_selected")
     secret_template = "admin/tenants/apikey/secret_once.html"
+    audit_additions = False  # api_key_create records the creation
     # The digest is on no form, list or page.
     exclude = ("digest",)
     _editable = ("name", "expires_at", "scope", "requests_per_minute", "tokens_per_minute", "allowed_models")
@@ -265,3 +268,49 @@ class UsageDailyAdmin(ReadOnlyAdmin):
     list_filter = ("tenant", "model", "day")
     date_hierarchy = "day"
     list_select_related = ("tenant", "api_key")
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(ReadOnlyAdmin):
+    """The audit log: every tenant's entries, read-only (nothing here can change or remove one)."""
+
+    list_display = (
+        "created_at",
+        "tenant_slug",
+        "actor",
+        "source",
+        "address",
+        "action",
+        "object_type",
+        "object_repr",
+    )
+    list_filter = ("source", "action", "object_type", "tenant")
+    search_fields = ("actor", "object_repr", "object_id", "tenant_slug")
+    date_hierarchy = "created_at"
+    actions = ("export_csv",)
+    fields = (
+        "created_at",
+        "tenant",
+        "tenant_slug",
+        "source",
+        "actor",
+        "actor_user",
+        "actor_api_key",
+        "address",
+        "action",
+        "object_type",
+        "object_id",
+        "object_repr",
+        "changes",
+    )
+    readonly_fields = fields
+
+    def has_view_permission(self, request, obj=None) -> bool:
+        return request.user.is_staff and request.user.has_perm("tenants.view_auditentry")
+
+    def has_export_permission(self, request) -> bool:
+        return self.has_view_permission(request)
+
+    @admin.action(description="Export selected entries as CSV", permissions=["export"])
+    def export_csv(self, request, queryset):
+        return audit_csv_response(queryset.order_by("created_at", "id"), filename="audit-log.csv")

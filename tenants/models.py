@@ -233,3 +233,66 @@ class UsageDaily(models.Model):
 
     def __str__(self) -> str:
         return f"{self.day} {self.tenant_id} {self.model}"
+
+
+class AuditEntryQuerySet(models.QuerySet):
+    """Append-only: rows are never changed, and removed only by the retention purge."""
+
+    def update(self, **kwargs):
+        raise TypeError("audit entries are append-only: they cannot be updated")
+
+    def delete(self):
+        raise TypeError("audit entries are append-only: only the retention purge removes them")
+
+    def purge(self) -> int:
+        """Delete these rows (the retention purge, tenants.services.audit_purge, only)."""
+        return models.QuerySet.delete(self)[0]
+
+
+class AuditEntry(models.Model):
+    """One change made by a person or a key: who, when, from where, to what, and the fields before
+    and after. Written by tenants.services.audit_record; never changed afterwards."""
+
+    class Source(models.TextChoices):
+        ADMIN = "admin", "Admin"
+        DASHBOARD = "dashboard", "Dashboard"
+        API = "api", "API"
+        SYSTEM = "system", "System"
+
+    created_at = models.DateTimeField(default=timezone.now, editable=False, db_index=True)
+    # SET_NULL and a copy of the slug: the trail outlives what it is about.
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    tenant_slug = models.CharField(max_length=64, blank=True)
+    source = models.CharField(max_length=16, choices=Source.choices)
+    actor_user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor = models.CharField(max_length=200, help_text="The username, or the key's prefix, when it acted.")
+    address = models.GenericIPAddressField(null=True, blank=True)
+    action = models.CharField(max_length=32)
+    object_type = models.CharField(max_length=64)
+    object_id = models.CharField(max_length=64)
+    object_repr = models.CharField(max_length=200)
+    # {field: [before, after]}; a creation has null befores, a deletion null afters.
+    changes = models.JSONField(default=dict)
+
+    objects = AuditEntryQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "audit entries"
+        indexes = [models.Index(fields=["tenant", "created_at"], name="audit_tenant_created_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.object_type} {self.object_repr}"
+
+    def save(self, *args, **kwargs) -> None:
+        if not self._state.adding:
+            raise TypeError("audit entries are append-only: they cannot be changed")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise TypeError("audit entries are append-only: only the retention purge removes them")

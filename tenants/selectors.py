@@ -12,7 +12,7 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from core.errors import NotFoundError
-from tenants.models import ApiKey, Membership, Tenant, UsageRecord
+from tenants.models import ApiKey, AuditEntry, Membership, Tenant, UsageRecord
 
 GROUP_BY_CHOICES = ("day", "model", "key")
 
@@ -143,3 +143,8 @@ def usage_per_day(*, records: QuerySet[UsageRecord]) -> list[dict]:
         .order_by("day")
     )
     return [{"day": r["day"], "requests": r["requests"], "tokens": int(r["tokens"] or 0)} for r in rows]
+
+
+def audit_list_for_tenant(*, tenant_id: int) -> QuerySet[AuditEntry]:
+    """The tenant's audit entries, newest first."""
+    return AuditEntry.objects.filter(tenant_id=tenant_id).order_by("-created_at", "-id")

@@ -7,6 +7,7 @@ from datetime import date, timedelta
 from celery import shared_task
 from django.utils import timezone
 
+from tenants.services import audit_purge as purge_audit_entries
 from tenants.services import usage_rollup
 
 
@@ -20,3 +21,8 @@ def usage_rollup_recent() -> dict[str, int]:
     """Yesterday too: requests that finished just after midnight land in yesterday's rows late."""
     today = timezone.now().date()
     return {day.isoformat(): usage_rollup(day=day) for day in (today - timedelta(days=1), today)}
+
+
+@shared_task(name="tenants.tasks.audit_purge")
+def audit_purge() -> int:
+    return purge_audit_entries()

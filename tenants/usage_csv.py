@@ -28,7 +28,8 @@ _COUNT_COLUMNS = (
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
-def _cell(value: object) -> object:
+def inert_cell(value: object) -> object:
+    """The value, with a leading apostrophe where a spreadsheet would read it as a formula."""
     if isinstance(value, str) and value.startswith(_FORMULA_START):
         return "'" + value
     return value
@@ -54,7 +55,7 @@ def _row(bucket: dict, group_by: Sequence[str]) -> list[object]:
         prompt + completion,
         f"{float(bucket.get('billed_tokens') or 0):g}",
     ]
-    return [_cell(v) for v in values]
+    return [inert_cell(v) for v in values]
 
 
 def usage_csv(*, tenant_id: int, start: date, end: date, group_by: Sequence[str] = CSV_GROUP_BY) -> str:

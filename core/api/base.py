@@ -30,7 +30,9 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
 
+from core.actor import SYSTEM, Actor, acting_as
 from core.api.exceptions import error_response, to_platform_error
+from core.client_address import client_address
 from core.concurrency import blocking
 from core.errors import InvalidRequestError, MethodNotAllowedError, PermissionDeniedError, PlatformError
 from core.request_ids import new_request_id
@@ -140,11 +142,20 @@ class ApiView(View):
             self.ratelimit_headers = await sync_to_async(_configured("API_REQUEST_ADMIT"))(
                 auth=self.auth, request_id=self.request_id
             )
-        if iscoroutinefunction(handler):
-            result = await handler(request, *args, **kwargs)
-        else:
-            call = blocking if self.handler_in_pool else sync_to_async
-            result = await call(handler)(request, *args, **kwargs)
+        actor = SYSTEM
+        if self.auth is not None:
+            actor = Actor(
+                source="api",
+                api_key_id=getattr(self.auth, "api_key_id", None),
+                api_key_prefix=getattr(self.auth, "api_key_prefix", ""),
+                address=client_address(request),
+            )
+        with acting_as(actor):
+            if iscoroutinefunction(handler):
+                result = await handler(request, *args, **kwargs)
+            else:
+                call = blocking if self.handler_in_pool else sync_to_async
+                result = await call(handler)(request, *args, **kwargs)
         return result if isinstance(result, HttpResponseBase) else JsonResponse(result, safe=False)
 
     def _without_handler(self, request: HttpRequest) -> HttpResponseBase:

@@ -28,7 +28,7 @@ from inference.selectors import adapter_list_unvalidated, adapter_not_found
 from inference.services.adapter_checks import AdapterInvalid, adapter_check
 from inference.services.adapter_files import Upload, stage_upload
 from tenants.models import Tenant
-from tenants.services import membership_require_manager
+from tenants.services import audit_record, audit_snapshot, membership_require_manager
 
 logger = logging.getLogger(__name__)
 VALIDATE_TASK = "inference.tasks.adapter_validate"
@@ -205,11 +205,16 @@ def _switch_version(
                 param="name",
                 code="conflict",
             ) from exc
+        audit_record(action="create", obj=adapter, tenant_id=tenant.pk, after=audit_snapshot(adapter))
         return adapter, None
     previous = adapter.version
+    before = audit_snapshot(adapter)
     for field, value in fresh.items():
         setattr(adapter, field, value)
     adapter.save()
+    audit_record(
+        action="upload", obj=adapter, tenant_id=tenant.pk, before=before, after=audit_snapshot(adapter)
+    )
     return adapter, previous
 
 
@@ -341,5 +346,6 @@ def adapter_delete(*, tenant_id: int, name: str) -> None:
             raise adapter_not_found(name)
         home = adapter_dir(tenant_slug=adapter.tenant.slug, name=name)
         stored = Path(adapter.storage_path).parent
+        audit_record(action="delete", obj=adapter, tenant_id=tenant_id, before=audit_snapshot(adapter))
         adapter.delete()
         transaction.on_commit(lambda: [_remove_tree(path) for path in {home, stored}])

@@ -12,6 +12,7 @@ from django.db import transaction
 from core.errors import InvalidRequestError
 from engine.rules import model_context_length, model_task
 from inference.models import ModelDeployment
+from tenants.services import audit_record, audit_snapshot
 
 
 class ModelDirectoryError(InvalidRequestError):
@@ -102,6 +103,7 @@ def deployment_register(
         task = default_task
     if deployment is None:
         deployment = ModelDeployment(name=name, enabled=True, engine_settings={})
+    before = {} if created else audit_snapshot(deployment)
     settings = dict(deployment.engine_settings or {})
     for key, value in (engine_settings or {}).items():
         if value is None:
@@ -123,4 +125,11 @@ def deployment_register(
         details = "; ".join(f"{field}: {' '.join(msgs)}" for field, msgs in exc.message_dict.items())
         raise InvalidRequestError(f"model deployment {name!r} is invalid ({details})") from exc
     deployment.save()
+    audit_record(
+        action="create" if created else "update",
+        obj=deployment,
+        tenant_id=None,
+        before=before,
+        after=audit_snapshot(deployment),
+    )
     return deployment, created

@@ -15,6 +15,8 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 
 from core import errors
+from core.actor import Actor, acting_as
+from core.client_address import client_address
 from tenants.models import Membership, Tenant
 from tenants.selectors import membership_get, tenant_get_for_user
 from tenants.services import membership_can_manage, membership_require_manager
@@ -69,9 +71,16 @@ def tenant_page(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse
     @login_required
     @functools.wraps(view)
     def wrapper(request: HttpRequest, slug: str, *args, **kwargs) -> HttpResponse:
+        actor = Actor(
+            source="dashboard",
+            user_id=request.user.pk,
+            username=request.user.get_username(),
+            address=client_address(request),
+        )
         try:
-            access = tenant_access(user=request.user, slug=slug)
-            return view(request, access, *args, **kwargs)
+            with acting_as(actor):
+                access = tenant_access(user=request.user, slug=slug)
+                return view(request, access, *args, **kwargs)
         except errors.NotFoundError as exc:
             raise Http404(exc.message) from exc
         except errors.PermissionDeniedError as exc:

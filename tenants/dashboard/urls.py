@@ -27,4 +27,6 @@ urlpatterns = [
     path("t/<slug:slug>/usage/", views.usage, name="usage"),
     path("t/<slug:slug>/usage.csv", views.usage_export, name="usage_export"),
     path("t/<slug:slug>/playground/", views.playground, name="playground"),
+    path("t/<slug:slug>/audit/", views.audit, name="audit"),
+    path("t/<slug:slug>/audit.csv", views.audit_export, name="audit_export"),
 ]

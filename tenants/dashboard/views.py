@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -13,11 +14,18 @@ from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from core.errors import InvalidRequestError, NotFoundError
+from tenants.audit_csv import audit_csv_response
 from tenants.dashboard.access import TenantAccess, memberships_for_user, tenant_page
 from tenants.dashboard.forms import ApiKeyCreateForm, ApiKeyRotateForm
 from tenants.dashboard.usage import PERIOD_CHOICES, period_days, usage_report
 from tenants.models import ApiKey
-from tenants.selectors import api_key_get_for_user, api_key_list_for_tenant, quota_status, tenant_get_for_user
+from tenants.selectors import (
+    api_key_get_for_user,
+    api_key_list_for_tenant,
+    audit_list_for_tenant,
+    quota_status,
+    tenant_get_for_user,
+)
 from tenants.services import api_key_create_for_member, api_key_revoke_for_member, api_key_rotate_for_member
 from tenants.usage_csv import usage_csv, usage_csv_filename
 
@@ -235,3 +243,25 @@ def playground(request: HttpRequest, access: TenantAccess) -> HttpResponse:
     models = list(getattr(_limits(access), "allowed_models", None) or [])
     context = access.context(active_tab="playground", models=models, ws_path=WEBSOCKET_CHAT_PATH)
     return render(request, "dashboard/playground.html", context)
+
+
+AUDIT_PAGE_SIZE = 50
+
+
+@require_GET
+@tenant_page
+def audit(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    """The tenant's audit log, newest first (owners and admins)."""
+    access.require_manager(what="the audit log")
+    page = Paginator(audit_list_for_tenant(tenant_id=access.tenant.pk), AUDIT_PAGE_SIZE).get_page(
+        request.GET.get("page")
+    )
+    return render(request, "dashboard/audit.html", access.context(active_tab="audit", page=page))
+
+
+@require_GET
+@tenant_page
+def audit_export(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    access.require_manager(what="the audit log")
+    entries = audit_list_for_tenant(tenant_id=access.tenant.pk).order_by("created_at", "id")
+    return audit_csv_response(entries, filename=f"audit-{access.tenant.slug}.csv")

@@ -21,6 +21,7 @@ from tenants.services.api_keys import (
     auth_cache_invalidate,
     bearer_token,
 )
+from tenants.services.audit import audit_changes, audit_purge, audit_record, audit_snapshot
 from tenants.services.settlements import (
     settlement_close,
     settlement_list_open,
@@ -44,6 +45,10 @@ __all__ = [
     "admission_reserve",
     "admission_settle",
     "api_key_authenticate",
+    "audit_changes",
+    "audit_purge",
+    "audit_record",
+    "audit_snapshot",
     "api_key_authenticate_header",
     "api_key_context",
     "api_key_create",

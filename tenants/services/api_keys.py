@@ -27,6 +27,7 @@ from django.utils import timezone
 from core.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
 from core.redis_client import get_redis, rkey
 from tenants.models import ApiKey, Tenant, TenantLimits
+from tenants.services.audit import audit_record, audit_snapshot
 from tenants.types import AuthContext, TenantLimitValues
 
 _KEY_RE = re.compile(r"^sk-([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
@@ -85,6 +86,7 @@ def api_key_create(
                     allowed_models=allowed_models,
                     scope=scope,
                 )
+                audit_record(action="create", obj=api_key, tenant_id=tenant.pk, after=audit_snapshot(api_key))
         except IntegrityError:
             continue  # a prefix collision (48 random bits): draw again
         return api_key, raw_key
@@ -114,19 +116,38 @@ def api_key_rotate(*, api_key: ApiKey, grace: timedelta = ROTATION_GRACE_DEFAULT
         if locked.is_expired:
             raise InvalidRequestError("An expired key cannot be rotated.", code="api_key_expired")
         keep_old = grace > timedelta(0)
+        before = audit_snapshot(locked, fields=["previous_valid_until"])
         locked.previous_digest = locked.digest if keep_old else ""
         locked.previous_valid_until = now + grace if keep_old else None
         locked.digest = api_key_digest(raw_key=raw_key)
         locked.save(update_fields=["digest", "previous_digest", "previous_valid_until"])
+        audit_record(
+            action="rotate",
+            obj=locked,
+            tenant_id=locked.tenant_id,
+            before=before,
+            after=audit_snapshot(locked, fields=["previous_valid_until"]),
+        )
         _invalidate_on_commit()
     return locked, raw_key
 
 
 def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     """Revoke once (revoking again keeps the first time). Takes effect everywhere at once."""
-    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
-    api_key.refresh_from_db(fields=["revoked_at"])
-    _invalidate_on_commit()
+    with transaction.atomic():
+        revoked = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
+        api_key.refresh_from_db(fields=["revoked_at"])
+        if revoked:
+            audit_record(
+                action="revoke",
+                obj=api_key,
+                tenant_id=api_key.tenant_id,
+                before={"revoked_at": None},
+                after=audit_snapshot(api_key, fields=["revoked_at"]),
+            )
+        _invalidate_on_commit()
     return api_key
 
 

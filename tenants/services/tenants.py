@@ -18,6 +18,7 @@ from tenants.services.api_keys import (
     api_key_rotate,
     auth_cache_invalidate,
 )
+from tenants.services.audit import audit_record, audit_snapshot
 
 # The limits of a tenant that services (and the admin) set.
 LIMIT_FIELDS = (
@@ -78,11 +79,18 @@ def tenant_create(
     tenant = Tenant.objects.create(name=name, slug=slug)
     if service_tiers is not None:
         limits["service_tiers"] = list(service_tiers)
-    TenantLimits.objects.create(
+    tenant_limits = TenantLimits.objects.create(
         tenant=tenant,
         allowed_models=list(allowed_models or []),
         fair_share_weight=fair_share_weight,
         **limits,
+    )
+    audit_record(action="create", obj=tenant, tenant_id=tenant.pk, after=audit_snapshot(tenant))
+    audit_record(
+        action="create",
+        obj=tenant_limits,
+        tenant_id=tenant.pk,
+        after=audit_snapshot(tenant_limits, fields=LIMIT_FIELDS),
     )
     return tenant
 
@@ -92,26 +100,51 @@ def tenant_limits_update(*, tenant: Tenant, **changes) -> TenantLimits:
     unknown = set(changes) - set(LIMIT_FIELDS)
     if unknown:
         raise TypeError(f"unknown limit fields: {sorted(unknown)}")
-    limits, _ = TenantLimits.objects.get_or_create(tenant=tenant)
-    for name, value in changes.items():
-        setattr(limits, name, value)
-    limits.save(update_fields=list(changes) or None)
+    with transaction.atomic():
+        limits, _ = TenantLimits.objects.select_for_update().get_or_create(tenant=tenant)
+        before = audit_snapshot(limits, fields=changes)
+        for name, value in changes.items():
+            setattr(limits, name, value)
+        limits.save(update_fields=list(changes) or None)
+        audit_record(
+            action="update",
+            obj=limits,
+            tenant_id=tenant.pk,
+            before=before,
+            after=audit_snapshot(limits, fields=changes),
+        )
     transaction.on_commit(auth_cache_invalidate)
     return limits
 
 
 def tenant_set_active(*, tenant: Tenant, active: bool) -> Tenant:
-    Tenant.objects.filter(pk=tenant.pk).update(active=active)
-    tenant.active = active
+    with transaction.atomic():
+        was = Tenant.objects.select_for_update().values_list("active", flat=True).get(pk=tenant.pk)
+        Tenant.objects.filter(pk=tenant.pk).update(active=active)
+        tenant.active = active
+        audit_record(
+            action="update", obj=tenant, tenant_id=tenant.pk, before={"active": was}, after={"active": active}
+        )
     transaction.on_commit(auth_cache_invalidate)
     return tenant
 
 
 def membership_create(*, tenant: Tenant, user, role: str = Membership.Role.MEMBER) -> Membership:
-    membership, created = Membership.objects.get_or_create(tenant=tenant, user=user, defaults={"role": role})
-    if not created and membership.role != role:
-        membership.role = role
-        membership.save(update_fields=["role"])
+    with transaction.atomic():
+        membership, created = Membership.objects.get_or_create(
+            tenant=tenant, user=user, defaults={"role": role}
+        )
+        if created:
+            audit_record(
+                action="create", obj=membership, tenant_id=tenant.pk, after=audit_snapshot(membership)
+            )
+        elif membership.role != role:
+            before = {"role": membership.role}
+            membership.role = role
+            membership.save(update_fields=["role"])
+            audit_record(
+                action="update", obj=membership, tenant_id=tenant.pk, before=before, after={"role": role}
+            )
     return membership
 
 
