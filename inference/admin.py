@@ -87,6 +87,7 @@ class ModelDeploymentAdmin(AuditedAdmin):
         "engine_settings",
         "prefix_routing",
         "max_queued_requests",
+        "replica_wait_seconds",
         "enabled",
         "replicas",
         "created_at",

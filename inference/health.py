@@ -2,7 +2,8 @@
 
 /live (and its older name /health): the process is up. /ready: it can serve new requests: not
 draining (core.draining), the database and Redis answer, and every enabled model has a ready
-engine replica (live and not draining). A draining process is live and not ready.
+engine replica (live and not draining); /ready?scope=web leaves the engines out. A draining
+process is live and not ready.
 
 /live and /ready answer anyone (load balancers and orchestrators probe them); anonymously /ready
 says only whether this process can serve. The details (which check failed and why, every model
@@ -75,13 +76,22 @@ def _models() -> dict[str, dict]:
         replicas = [asdict(stats) for stats in deployment_replicas(name=deployment.name)]
         # The one answer admission and routing use (inference.gateway.replicas).
         ready = bool(ready_replica_ids(deployment.name))
-        models[deployment.name] = {"ready": ready, "replicas": replicas}
+        models[deployment.name] = {
+            "ready": ready,
+            "replicas": replicas,
+            "replica_wait_seconds": deployment.replica_wait_seconds,
+        }
     return models
 
 
 def _check_engines(models: dict[str, dict]) -> str | None:
     problems = []
-    missing = sorted(name for name, model in models.items() if not model["ready"] and not model["replicas"])
+    # A model whose requests wait for a replica to start (scaled to zero) is asleep, not broken.
+    missing = sorted(
+        name
+        for name, model in models.items()
+        if not model["ready"] and not model["replicas"] and not model["replica_wait_seconds"]
+    )
     if missing:
         problems.append(f"no live engine replica for: {', '.join(missing)}")
     draining = sorted(name for name, model in models.items() if model["replicas"] and not model["ready"])
@@ -119,8 +129,27 @@ def _operators_only() -> JsonResponse:
     return response
 
 
+# /ready?scope=web: this process alone (draining, database, Redis), for an orchestrator's readiness
+# probe of web processes. Every web process sees the same engines: a model without a ready replica
+# would take all of them out of the load balancer at once, and with them every other model.
+READY_SCOPES = ("all", "web")
+
+
 @require_GET
 def ready(request):
+    scope = request.GET.get("scope", "all")
+    if scope not in READY_SCOPES:
+        return JsonResponse(
+            {
+                "error": {
+                    "message": f"scope must be one of {', '.join(READY_SCOPES)}.",
+                    "type": "invalid_request_error",
+                    "param": "scope",
+                    "code": "invalid_value",
+                }
+            },
+            status=400,
+        )
     checks = {
         "web": "draining: this process is shutting down and takes no new connections"
         if is_draining()
@@ -129,7 +158,7 @@ def ready(request):
         "redis": _check_redis(),
     }
     models: dict[str, dict] = {}
-    if not checks["database"] and not checks["redis"]:
+    if not checks["database"] and not checks["redis"] and scope == "all":
         try:
             models = _models()
         except Exception as exc:

@@ -105,6 +105,12 @@ class ModelDeployment(models.Model):
         "and prompt, or prompt_cache_key), within a bounded load; idle replicas take what waits. Off: "
         "every replica reads one shared queue.",
     )
+    replica_wait_seconds = models.PositiveIntegerField(
+        default=0,
+        help_text="With no ready replica, a request waits this long, queued, for one to start (a model "
+        "an autoscaler scales to zero wakes on the queue) before a 503 engine_unavailable; it is "
+        "dropped unbilled if none started it by then. 0: the 503 comes at once.",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -70,6 +70,7 @@ def deployment_register(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     task: str | None = None,
+    replica_wait_seconds: int | None = None,
 ) -> tuple[ModelDeployment, bool]:
     """Create the deployment `name`, or update it in place; returns (deployment, created).
 
@@ -79,7 +80,8 @@ def deployment_register(
     The enabled flag is left as the operator set it; a new deployment starts enabled. The parsers,
     when given ("" for none), replace the stored ones; when not, they stay (a new deployment takes
     the defaults). So does the task (generate or embed): when not given, the stored one stays where
-    the checkpoint allows it; a new deployment takes the checkpoint's default.
+    the checkpoint allows it; a new deployment takes the checkpoint's default. The replica wait,
+    when given, replaces the stored one (a new deployment: 0).
     """
     path = Path(model_path).expanduser().resolve()
     limit, default_task = model_facts(model_path=path)
@@ -119,6 +121,12 @@ def deployment_register(
         deployment.tool_call_parser = tool_call_parser
     if reasoning_parser is not None:
         deployment.reasoning_parser = reasoning_parser
+    if replica_wait_seconds is not None:
+        if replica_wait_seconds < 0:
+            raise InvalidRequestError(
+                f"replica_wait_seconds must be >= 0, got {replica_wait_seconds}", param="replica_wait_seconds"
+            )
+        deployment.replica_wait_seconds = replica_wait_seconds
     try:
         deployment.full_clean()
     except ValidationError as exc:

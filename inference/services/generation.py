@@ -174,6 +174,10 @@ class Generation:
     _taken_over: dict[str, float] = field(default_factory=dict)
     _last_delta_at: dict[str, float] = field(default_factory=dict)
     failovers: int = 0
+    # Unix time until which the request waits, queued, for a replica to start (plan.replica_wait_s),
+    # when none was ready at its admission; and whether it ended waiting, with nothing computed.
+    _replica_wait_until: float | None = None
+    _never_started: bool = False
     # A Batch API line: its batch (in the ledger, billed at BATCH_PRICE_FACTOR), and its engine
     # requests are queued at most once (EngineGateway.submit(once=True)).
     batch_id: str = ""
@@ -203,7 +207,11 @@ class Generation:
         # Refusals happen before the reservation: nothing is counted, queued or written for them. A
         # replica that is draining finishes what it holds but is no reason to take a new request.
         if not await ready_replica_ids_async(plan.model):
-            raise engine_unavailable(plan.model)
+            if plan.replica_wait_s <= 0:
+                raise engine_unavailable(plan.model)
+            # Queued for a replica yet to start (an autoscaler wakes the model on its queue): it must
+            # start within the wait, or the replicas drop it unstarted and unbilled.
+            self._replica_wait_until = time.time() + plan.replica_wait_s
         await self._take_queue_places()
         reserving = asyncio.ensure_future(
             blocking(_reserve_as_owner)(
@@ -330,6 +338,8 @@ class Generation:
         plan = self.plan
         now = time.time()
         deadline = self.deadline
+        if self._replica_wait_until is not None:
+            deadline = min(deadline or self._replica_wait_until, self._replica_wait_until)
         for rid, prompt in zip(plan.engine_request_ids, plan.prompts, strict=True):
             self._pending.add(rid)
             await self.gateway.submit(
@@ -462,6 +472,9 @@ class Generation:
             replica = self._replicas.get(rid)
             if replica is None:
                 if not live:
+                    if self._replica_wait_until is not None and time.time() < self._replica_wait_until:
+                        continue  # waiting, queued, for the model's first replica
+                    self._never_started = True
                     raise engine_unavailable(model)
             elif replica in live:
                 self._orphaned_at.pop(rid, None)
@@ -482,7 +495,7 @@ class Generation:
             await self.gateway.forget(plan.engine_request_ids)
         except Exception:
             logger.exception("could not stop reading the streams of %s", plan.request_id)
-        if self.error_code == ErrorCode.QUEUE_TIMEOUT:
+        if self.error_code == ErrorCode.QUEUE_TIMEOUT or self._never_started:
             self.usage.prompt_tokens = 0  # dropped before anything was computed
         engine_completion = sum(u.get("completion_tokens", 0) for u in self._engine_usage.values())
         # Finished: the engine's count. Cancelled or failed: what was produced and delivered.

@@ -37,7 +37,7 @@ def test_register_creates_an_enabled_deployment_sized_from_config_json(tmp_path)
     assert deployment.engine_settings == {}
     assert output == (
         f"model demo created: {path} (task generate, max_model_len 4096, dtype auto, tool call parser hermes, "
-        "reasoning parser none, engine settings {})\n"
+        "reasoning parser none, engine settings {}, replica wait 0 s)\n"
     )
 
 
@@ -327,7 +327,7 @@ def test_an_unknown_parser_is_refused_naming_the_known_ones(tmp_path):
 def test_a_decoder_registered_to_embed_keeps_its_task_and_its_engine_is_told(tmp_path):
     path = model_dir(tmp_path / "m", max_position_embeddings=1024)
     output = register("--name", "gte", "--path", str(path), "--task", "embed")
-    assert "(task embed, max_model_len 1024, dtype auto, engine settings {})" in output
+    assert "(task embed, max_model_len 1024, dtype auto, engine settings {}, replica wait 0 s)" in output
     register("--name", "gte", "--path", str(path))  # scripts/up.sh registers again on every start
     assert ModelDeployment.objects.get(name="gte").task == ModelDeployment.Task.EMBED
     out = io.StringIO()
@@ -367,3 +367,14 @@ def test_the_engine_command_line_serves_the_health_port_the_environment_names(tm
     out = io.StringIO()
     call_command("run_engine", "--model", "demo", "--print-command", stdout=out)
     assert "--health-port" not in out.getvalue()
+
+
+def test_register_sets_the_replica_wait_of_a_model_scaled_to_zero_and_keeps_it_after(tmp_path):
+    path = model_dir(tmp_path / "m", max_position_embeddings=2048)
+
+    register("--name", "demo", "--path", str(path), "--replica-wait-seconds", "180")
+    register("--name", "demo", "--path", str(path))
+
+    assert ModelDeployment.objects.get(name="demo").replica_wait_seconds == 180
+    with pytest.raises(CommandError, match="replica_wait_seconds must be >= 0"):
+        register("--name", "demo", "--path", str(path), "--replica-wait-seconds", "-1")

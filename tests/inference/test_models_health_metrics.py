@@ -61,8 +61,25 @@ async def test_wrong_method_is_405_in_openai_shape(world):
 async def test_ready_is_503_for_an_enabled_model_without_a_live_replica(world, operator_headers):
     response = await AsyncClient().get("/ready", headers=operator_headers)
     assert response.status_code == 503
-    assert response.json()["models"][world.model] == {"ready": False, "replicas": []}
+    assert response.json()["models"][world.model] == {"ready": False, "replicas": [], "replica_wait_seconds": 0}
     assert world.model in response.json()["checks"]["engines"]
+
+
+async def test_ready_for_the_web_scope_leaves_a_model_without_engines_out(world, operator_headers):
+    """What a web Deployment's readiness probe reads: one model without engines must not take every
+    web process, and with them every other model, out of the load balancer."""
+    response = await AsyncClient().get("/ready?scope=web", headers=operator_headers)
+    anonymous = await AsyncClient().get("/ready?scope=web")
+    unknown = await AsyncClient().get("/ready?scope=engines")
+
+    assert response.status_code == 200
+    assert response.json() == {
+        "status": "ready",
+        "checks": {"web": "ok", "database": "ok", "redis": "ok"},
+        "models": {},
+    }
+    assert (anonymous.status_code, anonymous.json()) == (200, {"status": "ready"})
+    assert (unknown.status_code, unknown.json()["error"]["param"]) == (400, "scope")
 
 
 async def test_ready_lists_the_live_engine_replica_of_each_model(world, engine_worker, operator_headers):

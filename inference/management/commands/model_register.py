@@ -79,6 +79,13 @@ class Command(BaseCommand):
             default=None,
             help="how a reasoning model's thinking is read apart from its answer (reasoning_content)",
         )
+        parser.add_argument(
+            "--replica-wait-seconds",
+            type=int,
+            default=None,
+            help="with no ready replica, how long a request waits, queued, for one to start (a model an "
+            "autoscaler scales to zero); 0: a 503 at once (the default for a new deployment)",
+        )
 
     def handle(self, *args, name: str, path: str, max_model_len: int | None, dtype: str, **options) -> None:
         try:
@@ -91,6 +98,7 @@ class Command(BaseCommand):
                 tool_call_parser=_parser_choice(options["tool_call_parser"]),
                 reasoning_parser=_parser_choice(options["reasoning_parser"]),
                 task=options["task"],
+                replica_wait_seconds=options["replica_wait_seconds"],
             )
         except PlatformError as exc:
             raise CommandError(exc.message) from exc
@@ -104,7 +112,8 @@ class Command(BaseCommand):
         self.stdout.write(
             f"model {deployment.name} {verb}: {deployment.model_path} "
             f"(task {deployment.task}, max_model_len {deployment.max_model_len}, dtype {deployment.dtype}, "
-            f"{parsers}engine settings {json.dumps(deployment.engine_settings, sort_keys=True)})"
+            f"{parsers}engine settings {json.dumps(deployment.engine_settings, sort_keys=True)}, "
+            f"replica wait {deployment.replica_wait_seconds} s)"
         )
 
 

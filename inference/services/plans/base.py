@@ -81,6 +81,8 @@ class GenerationPlan:
     # engines cache blocks of this many tokens; off: the model's shared queue.
     prefix_routing: bool = True
     block_size: int = 16
+    # With no ready replica: how long the request waits, queued, for one to start (0: refused at once).
+    replica_wait_s: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     # An embedding: its inputs (token ids each) go to the engine as one embed request (`prompts`
     # holds them joined, for admission and the ledger; `n` is their count: one output each).
@@ -130,6 +132,7 @@ class ServedModel:
             "max_model_len": deployment.max_model_len,
             "max_queued": deployment.max_queued_requests,
             "prefix_routing": deployment.prefix_routing,
+            "replica_wait_s": deployment.replica_wait_seconds,
             "block_size": engine_block_size(deployment.engine_settings),
         }
         if adapter is not None:
