@@ -61,7 +61,11 @@ async def test_wrong_method_is_405_in_openai_shape(world):
 async def test_ready_is_503_for_an_enabled_model_without_a_live_replica(world, operator_headers):
     response = await AsyncClient().get("/ready", headers=operator_headers)
     assert response.status_code == 503
-    assert response.json()["models"][world.model] == {"ready": False, "replicas": [], "replica_wait_seconds": 0}
+    assert response.json()["models"][world.model] == {
+        "ready": False,
+        "replicas": [],
+        "replica_wait_seconds": 0,
+    }
     assert world.model in response.json()["checks"]["engines"]
 
 
