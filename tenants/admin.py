@@ -75,7 +75,15 @@ class ApiKeyAdmin(AuditedAdmin):
     audit_additions = False  # api_key_create records the creation
     # The digest is on no form, list or page.
     exclude = ("digest",)
-    _editable = ("name", "expires_at", "scope", "requests_per_minute", "tokens_per_minute", "allowed_models")
+    _editable = (
+        "name",
+        "expires_at",
+        "scope",
+        "requests_per_minute",
+        "tokens_per_minute",
+        "monthly_token_budget",
+        "allowed_models",
+    )
 
     def get_fields(self, request, obj=None):
         if obj is None:
@@ -125,6 +133,7 @@ class ApiKeyAdmin(AuditedAdmin):
             tokens_per_minute=obj.tokens_per_minute,
             allowed_models=obj.allowed_models,
             scope=obj.scope,
+            monthly_token_budget=obj.monthly_token_budget,
         )
         # The admin continues with `obj` (log entry, redirect): make it the saved row.
         for field in ("pk", "prefix", "digest", "created_by_id", "created_at"):

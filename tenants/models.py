@@ -126,6 +126,12 @@ class ApiKey(models.Model):
     allowed_models = models.JSONField(
         null=True, blank=True, help_text="Null: inherit the tenant's models. A list narrows them."
     )
+    monthly_token_budget = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="Tokens this key may use per calendar month (UTC), under the tenant's quota. Empty: "
+        "only the tenant's quota applies.",
+    )
     scope = models.CharField(
         max_length=16,
         choices=Scope.choices,

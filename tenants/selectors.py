@@ -65,11 +65,15 @@ def month_start(now: datetime | None = None) -> datetime:
     return datetime(now.year, now.month, 1, tzinfo=UTC)
 
 
-def quota_used_this_month(*, tenant_id: int, now: datetime | None = None) -> int:
-    """Tokens (prompt + completion) the ledger holds for this calendar month (UTC)."""
-    totals = UsageRecord.objects.filter(tenant_id=tenant_id, created_at__gte=month_start(now)).aggregate(
-        tokens=Sum(F("prompt_tokens") + F("completion_tokens"))
-    )
+def quota_used_this_month(
+    *, tenant_id: int, api_key_id: int | None = None, now: datetime | None = None
+) -> int:
+    """Tokens (prompt + completion) the ledger holds for this calendar month (UTC): the tenant's,
+    or one of its keys'."""
+    records = UsageRecord.objects.filter(tenant_id=tenant_id, created_at__gte=month_start(now))
+    if api_key_id is not None:
+        records = records.filter(api_key_id=api_key_id)
+    totals = records.aggregate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
     return int(totals["tokens"] or 0)
 
 

@@ -29,6 +29,7 @@ class AuthContext:
     tenant_limits: TenantLimitValues
     key_requests_per_minute: int | None = None
     key_tokens_per_minute: int | None = None
+    key_monthly_token_budget: int | None = None
     # The key's list narrowed by the tenant's: what this caller may use, in the tenant's order.
     allowed_models: tuple[str, ...] = ()
     expires_at: datetime | None = None

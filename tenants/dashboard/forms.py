@@ -37,6 +37,7 @@ class ApiKeyCreateForm(forms.Form):
     )
     requests_per_minute = forms.IntegerField(min_value=1, required=False, label="Requests / minute")
     tokens_per_minute = forms.IntegerField(min_value=1, required=False, label="Tokens / minute")
+    monthly_token_budget = forms.IntegerField(min_value=1, required=False, label="Monthly token budget")
 
     def __init__(self, *args, tenant_models: tuple[str, ...] | list[str] = (), **kwargs) -> None:
         super().__init__(*args, **kwargs)

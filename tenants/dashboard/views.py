@@ -24,6 +24,7 @@ from tenants.selectors import (
     api_key_list_for_tenant,
     audit_list_for_tenant,
     quota_status,
+    quota_used_this_month,
     tenant_get_for_user,
 )
 from tenants.services import api_key_create_for_member, api_key_revoke_for_member, api_key_rotate_for_member
@@ -122,6 +123,7 @@ def key_create(request: HttpRequest, access: TenantAccess) -> HttpResponse:
         allowed_models=form.allowed_models(),
         requests_per_minute=form.cleaned_data["requests_per_minute"],
         tokens_per_minute=form.cleaned_data["tokens_per_minute"],
+        monthly_token_budget=form.cleaned_data["monthly_token_budget"],
     )
     return _secret_page(request, access, api_key, secret, rotated=False)
 
@@ -157,6 +159,9 @@ def _key_detail_page(
         key=api_key,
         rotate_form=form,
         previous_left=_time_left(api_key.previous_valid_until),
+        budget_used=quota_used_this_month(tenant_id=access.tenant.pk, api_key_id=api_key.pk)
+        if api_key.monthly_token_budget is not None
+        else None,
     )
     return render(request, "dashboard/key_detail.html", context, status=status)
 

@@ -10,17 +10,20 @@
 -- KEYS: 1 key req log, 2 tenant req log,
 --       3 key tok log, 4 key tok amounts, 5 key tok sum,
 --       6 tenant tok log, 7 tenant tok amounts, 8 tenant tok sum,
---       9 tenant in-flight set, 10 quota counter, 11 reservation hash, 12 open settlements index
+--       9 tenant in-flight set, 10 quota counter, 11 reservation hash, 12 open settlements index,
+--       13 the key's budget counter (its month's tokens)
 -- ARGV: 1 window s, 2 member, 3 request cost, 4 token cost,
 --       5 key rpm, 6 tenant rpm, 7 key tpm, 8 tenant tpm (-1: unlimited),
 --       9 max concurrent (-1: unlimited, no slot taken), 10 monthly quota (-1: unlimited),
 --       11 quota ttl s, 12 lease s, 13 reservation ttl s (0: record none),
---       14 what the settlement needs besides the counts (JSON), 15 its member in the index
+--       14 what the settlement needs besides the counts (JSON), 15 its member in the index,
+--       16 the key's monthly token budget (-1: none)
 -- A reservation is also the request's open settlement: the index lists it (scored by admission
 -- time) until its ledger row is written, so a settler finds those whose owner went away.
 -- Returns {status, req_limit, req_remaining, req_reset_ms, tok_limit, tok_remaining, tok_reset_ms,
 --          retry_ms, scope}; status 1 ok, 0 rate limited, 2 too many concurrent, 3 quota,
---          4 quota counter missing (seed and retry), 5 duplicate request id, 6 request too large.
+--          4 quota counter missing (seed and retry), 5 duplicate request id, 6 request too large,
+--          7 the key's budget counter missing (seed and retry), 8 the key's budget.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -149,6 +152,16 @@ if quota >= 0 then
   end
 end
 
+local budget = tonumber(ARGV[16])
+local budget_charged = 0
+if budget >= 0 then
+  local used = redis.call('GET', KEYS[13])
+  if not used then return {7, -1, -1, 0, -1, -1, 0, 0, 'key budget'} end
+  if tonumber(used) + tok_cost > budget then
+    return {8, req[1], req[2], req[3], tok[1], tok[2], tok[3], 0, 'key monthly token budget'}
+  end
+end
+
 -- Every check passed: count the request everywhere at once.
 for _, s in ipairs(req_scopes) do
   if s[2] >= 0 and req_cost > 0 then
@@ -173,8 +186,13 @@ if quota >= 0 and tok_cost > 0 then
   redis.call('EXPIRE', KEYS[10], tonumber(ARGV[11]))
   quota_charged = 1
 end
+if budget >= 0 and tok_cost > 0 then
+  redis.call('INCRBY', KEYS[13], tok_cost)
+  redis.call('EXPIRE', KEYS[13], tonumber(ARGV[11]))
+  budget_charged = 1
+end
 if reservation_ttl > 0 then
-  redis.call('HSET', KEYS[11], 'tokens', tok_cost, 'quota', quota_charged, 'meta', ARGV[14])
+  redis.call('HSET', KEYS[11], 'tokens', tok_cost, 'quota', quota_charged, 'budget', budget_charged, 'meta', ARGV[14])
   redis.call('EXPIRE', KEYS[11], reservation_ttl)
   redis.call('ZADD', KEYS[12], now, ARGV[15])
 end

@@ -30,6 +30,7 @@ OK, RATE_LIMITED, TOO_MANY_CONCURRENT, QUOTA_EXCEEDED, QUOTA_UNSEEDED, DUPLICATE
     5,
     6,
 )
+KEY_BUDGET_UNSEEDED, KEY_BUDGET_EXCEEDED = 7, 8
 
 
 @functools.cache
@@ -42,7 +43,12 @@ def _setting(name: str, default: int) -> int:
 
 
 class QuotaCounterMissing(Exception):
-    """The month's quota counter is not in Redis: seed it from the ledger and try again."""
+    """The month's quota counter (`scope` "tenant"), or the key's budget counter ("key"), is not
+    in Redis: seed it from the ledger and try again."""
+
+    def __init__(self, scope: str = "tenant") -> None:
+        super().__init__(scope)
+        self.scope = scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,7 @@ class Keys:
             self.quota(period),
             self.reservation(request_id),
             open_settlements_key(),
+            self.key_budget(period),
         ]
 
     def settle(self, *, period: str, request_id: str) -> list[str]:
@@ -76,6 +83,7 @@ class Keys:
             tenant_sum,
             self.in_flight(),
             self.quota(period),
+            self.key_budget(period),
         ]
 
     def in_flight(self) -> str:
@@ -83,6 +91,9 @@ class Keys:
 
     def quota(self, period: str) -> str:
         return rkey("quota", self.tenant_id, period)
+
+    def key_budget(self, period: str) -> str:
+        return rkey("quota", "key", self.api_key_id, period)
 
     def reservation(self, request_id: str) -> str:
         return rkey("resv", self.tenant_id, request_id)
@@ -166,6 +177,7 @@ def admit(
         _setting("TENANT_RESERVATION_TTL_SECONDS", 24 * 3600) if reserve else 0,
         meta,
         keys.open_member(request_id),
+        _limit(auth.key_monthly_token_budget) if charge_quota else -1,
     ]
     reply = _script("admit.lua")(keys=keys.admit(period=period, request_id=request_id), args=args)
     status = int(reply[0])
@@ -174,12 +186,20 @@ def admit(
         return headers
     if status == QUOTA_UNSEEDED:
         raise QuotaCounterMissing()
+    if status == KEY_BUDGET_UNSEEDED:
+        raise QuotaCounterMissing("key")
     if status == DUPLICATE:
         raise InvalidRequestError("This request id is already in flight.", code="duplicate_request_id")
     scope = reply[8].decode() if isinstance(reply[8], bytes) else str(reply[8])
     if status == QUOTA_EXCEEDED:
         raise QuotaExceededError(
             "You exceeded your current quota: the monthly token quota is used up.", headers=headers
+        )
+    if status == KEY_BUDGET_EXCEEDED:
+        raise QuotaExceededError(
+            "This API key's monthly token budget is used up: it takes more requests next month, or "
+            "once its budget is raised.",
+            headers=headers,
         )
     retry_seconds = max(1, math.ceil(int(reply[7]) / 1000))
     headers["retry-after"] = str(retry_seconds)
@@ -220,6 +240,18 @@ def settle(
 def quota_counter_seed(*, tenant_id: int, period: str, used: int) -> None:
     """Create the month's counter from the ledger, unless another process got there first."""
     get_redis().set(Keys(tenant_id=tenant_id, api_key_id=0).quota(period), used, nx=True, ex=40 * 24 * 3600)
+
+
+def key_budget_counter_seed(*, api_key_id: int, period: str, used: int) -> None:
+    """Create the key's month counter from the ledger, unless another process got there first."""
+    get_redis().set(
+        Keys(tenant_id=0, api_key_id=api_key_id).key_budget(period), used, nx=True, ex=40 * 24 * 3600
+    )
+
+
+def key_budget_counter_value(*, api_key_id: int, period: str) -> int | None:
+    value = get_redis().get(Keys(tenant_id=0, api_key_id=api_key_id).key_budget(period))
+    return None if value is None else int(value)
 
 
 def quota_counter_value(*, tenant_id: int, period: str) -> int | None:

@@ -38,10 +38,19 @@ def _admit_seeding_quota(*, auth: AuthContext, period: str, **kwargs) -> dict[st
     try:
         return limiter.admit(auth=auth, period=period, **kwargs)
     except limiter.QuotaCounterMissing:
-        # First request of the month (or Redis lost the counter): the ledger is the truth.
-        used = quota_used_this_month(tenant_id=auth.tenant_id)
-        limiter.quota_counter_seed(tenant_id=auth.tenant_id, period=period, used=used)
-        return limiter.admit(auth=auth, period=period, **kwargs)
+        pass
+    # First request of the month (or Redis lost the counters): the ledger is the truth. Both are
+    # seeded (each only where missing), so that one retry finds what it needs.
+    limiter.quota_counter_seed(
+        tenant_id=auth.tenant_id, period=period, used=quota_used_this_month(tenant_id=auth.tenant_id)
+    )
+    if auth.key_monthly_token_budget is not None:
+        limiter.key_budget_counter_seed(
+            api_key_id=auth.api_key_id,
+            period=period,
+            used=quota_used_this_month(tenant_id=auth.tenant_id, api_key_id=auth.api_key_id),
+        )
+    return limiter.admit(auth=auth, period=period, **kwargs)
 
 
 def request_admit(*, auth: AuthContext, request_id: str | None = None) -> dict[str, str]:

@@ -63,6 +63,7 @@ def api_key_create(
     tokens_per_minute: int | None = None,
     allowed_models: list[str] | None = None,
     scope: str = ApiKey.Scope.ALL,
+    monthly_token_budget: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns it with the raw secret, which exists nowhere else afterwards."""
     if scope not in ApiKey.Scope.values:
@@ -85,6 +86,7 @@ def api_key_create(
                     tokens_per_minute=tokens_per_minute,
                     allowed_models=allowed_models,
                     scope=scope,
+                    monthly_token_budget=monthly_token_budget,
                 )
                 audit_record(action="create", obj=api_key, tenant_id=tenant.pk, after=audit_snapshot(api_key))
         except IntegrityError:
@@ -212,6 +214,7 @@ def _context_from_row(api_key: ApiKey) -> AuthContext:
         ),
         key_requests_per_minute=api_key.requests_per_minute,
         key_tokens_per_minute=api_key.tokens_per_minute,
+        key_monthly_token_budget=api_key.monthly_token_budget,
         allowed_models=tuple(allowed),
         expires_at=api_key.expires_at,
         scopes=("inference",) if api_key.scope == ApiKey.Scope.INFERENCE else ("inference", "manage"),

@@ -171,6 +171,7 @@ def api_key_create_for_member(
     allowed_models: list[str] | None = None,
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
+    monthly_token_budget: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Owners and admins create keys; members only read. Returns the key and its raw secret."""
     membership = membership_require_manager(user=user, tenant_id=tenant_id)
@@ -183,6 +184,7 @@ def api_key_create_for_member(
         allowed_models=allowed_models,
         requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute,
+        monthly_token_budget=monthly_token_budget,
     )
 
 

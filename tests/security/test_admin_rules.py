@@ -45,6 +45,7 @@ def _add(operator: Client, model_path: str, engine_settings: str = "{}", task: s
             "max_model_len": "256",
             "dtype": "auto",
             "engine_settings": engine_settings,
+            "replica_wait_seconds": "0",
             "enabled": "on",
         },
     )

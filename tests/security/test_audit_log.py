@@ -123,6 +123,7 @@ def test_admin_changes_to_limits_tiers_members_keys_and_deployments_are_logged(o
         "reasoning_parser": deployment.reasoning_parser,
         "engine_settings": json.dumps(deployment.engine_settings),
         "prefix_routing": "on",
+        "replica_wait_seconds": "0",
         "enabled": "on",
     }
     response = operator.post(f"/admin/inference/modeldeployment/{deployment.pk}/change/", deployment_form)
@@ -273,6 +274,7 @@ def test_an_update_that_changes_nothing_writes_no_entry(operator, world, setting
         "reasoning_parser": deployment.reasoning_parser,
         "engine_settings": json.dumps(deployment.engine_settings),
         "prefix_routing": "on" if deployment.prefix_routing else "",
+        "replica_wait_seconds": str(deployment.replica_wait_seconds),
         "enabled": "on",
     }
     if deployment.max_queued_requests is not None:

@@ -376,6 +376,7 @@ def test_owner_creates_a_scoped_key_limited_to_inference_some_models_and_its_own
             "models": ["acme-chat"],
             "requests_per_minute": "30",
             "tokens_per_minute": "5000",
+            "monthly_token_budget": "100000",
         },
     )
 
@@ -387,8 +388,10 @@ def test_owner_creates_a_scoped_key_limited_to_inference_some_models_and_its_own
         30,
         5000,
     )
+    assert key.monthly_token_budget == 100_000
     detail = client.get(reverse("dashboard:key_detail", args=["acme", key.pk])).content.decode()
     assert "Inference only" in detail and "acme-chat" in detail
+    assert 'id="key-budget">0 of 100,000 used this month' in detail
 
 
 def test_a_model_outside_the_tenants_is_not_offered_and_is_refused(world):

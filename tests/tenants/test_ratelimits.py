@@ -221,3 +221,62 @@ def test_durations_use_openais_format():
     assert limiter.format_duration(12000) == "12s"
     assert limiter.format_duration(360000) == "6m0s"
     assert limiter.format_duration(61250) == "1m1.25s"
+
+
+def test_a_keys_monthly_budget_is_its_own_under_the_tenants_quota(world):
+    budgeted, raw_key = api_key_create(tenant=world.tenant_a, name="budgeted", monthly_token_budget=500)
+    for request_id, key, tokens in (("mine", budgeted, 300), ("the-other-keys", world.key_a, 1000)):
+        usage_record_create(
+            tenant_id=world.tenant_a.pk,
+            api_key_id=key.pk,
+            model=MODEL,
+            adapter=None,
+            prompt_tokens=tokens,
+            completion_tokens=0,
+            cached_tokens=0,
+            time_to_first_token_ms=5.0,
+            latency_ms=20.0,
+            status="success",
+            request_id=request_id,
+        )
+    auth = api_key_authenticate(raw_key=raw_key)
+    period = timezone.now().strftime("%Y-%m")
+
+    fits = _reserve(auth, prompt=100, max_tokens=100)  # 300 + 200 = the whole budget
+
+    assert limiter.key_budget_counter_value(api_key_id=budgeted.pk, period=period) == 500
+    with pytest.raises(QuotaExceededError) as caught:
+        _reserve(auth, prompt=1, max_tokens=0)
+    body = json.loads(error_response(caught.value).content)
+    assert (body["error"]["code"], body["error"]["message"]) == (
+        "insufficient_quota",
+        "This API key's monthly token budget is used up: it takes more requests next month, or once "
+        "its budget is raised.",
+    )
+    # The tenant's other keys are not held by it; a settle below the reservation frees budget.
+    _reserve(api_key_authenticate(raw_key=world.raw_key_a), prompt=1, max_tokens=0)
+    admission_settle(reservation=fits, settlement=Settlement(prompt_tokens=100, completion_tokens=20))
+    assert limiter.key_budget_counter_value(api_key_id=budgeted.pk, period=period) == 420
+    _reserve(auth, prompt=40, max_tokens=40)
+
+
+def test_a_budget_counter_lost_with_redis_is_rebuilt_from_the_keys_ledger(world):
+    budgeted, raw_key = api_key_create(tenant=world.tenant_a, name="budgeted", monthly_token_budget=100)
+    usage_record_create(
+        tenant_id=world.tenant_a.pk,
+        api_key_id=budgeted.pk,
+        model=MODEL,
+        adapter=None,
+        prompt_tokens=60,
+        completion_tokens=30,
+        cached_tokens=0,
+        time_to_first_token_ms=5.0,
+        latency_ms=20.0,
+        status="success",
+        request_id="spent",
+    )
+    auth = api_key_authenticate(raw_key=raw_key)
+
+    with pytest.raises(QuotaExceededError):
+        _reserve(auth, prompt=6, max_tokens=5)  # 90 + 11 > 100
+    _reserve(auth, prompt=5, max_tokens=5)  # exactly the 100
