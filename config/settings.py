@@ -192,6 +192,12 @@ CELERY_BEAT_SCHEDULE: dict = {
         "schedule": envfloat("PAGODA_BATCH_RESUME_EVERY_SECONDS", 10.0),
         "options": {"expires": 10.0},
     },
+    # Quotas, budgets and rate limits past an alert threshold.
+    "tenants-alerts-check": {
+        "task": "tenants.tasks.alerts_check",
+        "schedule": envfloat("PAGODA_ALERTS_CHECK_EVERY_SECONDS", 60.0),
+        "options": {"expires": 60.0},
+    },
     # Audit entries past their retention.
     "tenants-audit-purge": {"task": "tenants.tasks.audit_purge", "schedule": 24 * 3600.0},
     # Requests whose web process died, and ledger rows that waited for the database.
@@ -347,6 +353,20 @@ BATCH_RUNNER_LEASE_S = envint("PAGODA_BATCH_RUNNER_LEASE_S", 30, minimum=2)
 METRICS_TOKEN = envstr("PAGODA_METRICS_TOKEN", "") or ""
 # Days the audit log keeps an entry (a daily task removes older ones).
 AUDIT_RETENTION_DAYS = envint("PAGODA_AUDIT_RETENTION_DAYS", 365, minimum=1)
+
+# Alerts (tenants.services.alerts): e-mail through Django's mail backend, and signed webhooks.
+EMAIL_BACKEND = envstr("PAGODA_EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = envstr("PAGODA_EMAIL_HOST", "localhost")
+EMAIL_PORT = envint("PAGODA_EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = envstr("PAGODA_EMAIL_USER", "") or ""
+EMAIL_HOST_PASSWORD = envstr("PAGODA_EMAIL_PASSWORD", "") or ""
+EMAIL_USE_TLS = envbool("PAGODA_EMAIL_USE_TLS", False)
+DEFAULT_FROM_EMAIL = envstr("PAGODA_EMAIL_FROM", "pagoda@localhost")
+# Webhook URLs that resolve to private, loopback or link-local addresses are refused unless this
+# is on (a webhook receiver on the operator's own network).
+WEBHOOK_ALLOW_PRIVATE = envbool("PAGODA_WEBHOOK_ALLOW_PRIVATE", False)
+WEBHOOK_TIMEOUT_S = envfloat("PAGODA_WEBHOOK_TIMEOUT_S", 5.0)
+WEBHOOK_MAX_ATTEMPTS = envint("PAGODA_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1)
 # The limits a new tenant starts with, finite so that a tenant nobody configured cannot take a whole
 # replica; operators change them per tenant in the admin (an empty field there means unlimited).
 TENANT_DEFAULT_LIMITS = {

@@ -12,7 +12,18 @@ from django.utils.cache import add_never_cache_headers
 from core.errors import InvalidRequestError
 from tenants.admin_audit import AuditedAdmin
 from tenants.audit_csv import audit_csv_response
-from tenants.models import ApiKey, AuditEntry, Membership, Tenant, TenantLimits, UsageDaily, UsageRecord
+from tenants.models import (
+    Alert,
+    AlertSettings,
+    ApiKey,
+    AuditEntry,
+    Membership,
+    Tenant,
+    TenantLimits,
+    UsageDaily,
+    UsageRecord,
+    WebhookDelivery,
+)
 from tenants.selectors import usage_per_day
 from tenants.services import api_key_create, api_key_revoke, api_key_rotate, auth_cache_invalidate
 
@@ -33,6 +44,13 @@ class TenantLimitsInline(admin.StackedInline):
         return formset
 
 
+class AlertSettingsInline(admin.StackedInline):
+    model = AlertSettings
+    can_delete = False
+    max_num = 1
+    fields = ("thresholds", "email", "webhook_url", "rate_limit_hits")
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 0
@@ -47,7 +65,7 @@ class TenantAdmin(AuditedAdmin):
     list_filter = ("active",)
     search_fields = ("name", "slug")
     prepopulated_fields = {"slug": ("name",)}
-    inlines = (TenantLimitsInline, MembershipInline)
+    inlines = (TenantLimitsInline, MembershipInline, AlertSettingsInline)
 
     def save_related(self, request, form, formsets, change) -> None:
         super().save_related(request, form, formsets, change)
@@ -323,3 +341,24 @@ class AuditEntryAdmin(ReadOnlyAdmin):
     @admin.action(description="Export selected entries as CSV", permissions=["export"])
     def export_csv(self, request, queryset):
         return audit_csv_response(queryset.order_by("created_at", "id"), filename="audit-log.csv")
+
+
+class WebhookDeliveryInline(admin.TabularInline):
+    model = WebhookDelivery
+    extra = 0
+    can_delete = False
+    fields = ("url", "status", "attempts", "response_status", "error", "last_attempt_at")
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(Alert)
+class AlertAdmin(ReadOnlyAdmin):
+    """Alerts that fired, with their webhook deliveries."""
+
+    list_display = ("created_at", "tenant", "kind", "subject", "threshold", "period", "used", "limit")
+    list_filter = ("kind", "tenant")
+    list_select_related = ("tenant",)
+    inlines = (WebhookDeliveryInline,)

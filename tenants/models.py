@@ -5,6 +5,7 @@ Models stay thin: fields, constraints and one-row properties. Behaviour lives in
 
 from __future__ import annotations
 
+import secrets
 from decimal import Decimal
 
 from django.conf import settings
@@ -302,3 +303,90 @@ class AuditEntry(models.Model):
 
     def delete(self, *args, **kwargs):
         raise TypeError("audit entries are append-only: only the retention purge removes them")
+
+
+def default_alert_thresholds() -> list[int]:
+    return [80, 100]
+
+
+def new_webhook_secret() -> str:
+    return secrets.token_hex(32)
+
+
+class AlertSettings(models.Model):
+    """When a tenant's alerts fire and where they go (tenants.services.alerts)."""
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="alert_settings")
+    thresholds = models.JSONField(
+        default=default_alert_thresholds,
+        help_text="Shares of the monthly quota, and of each key's budget, in percent, at which an alert fires.",
+    )
+    email = models.BooleanField(default=True, help_text="E-mail the tenant's owners and admins.")
+    webhook_url = models.URLField(max_length=500, blank=True, help_text="POST each alert here, signed.")
+    # The key of the webhooks' HMAC-SHA256 signature; shown to the tenant's owners and admins.
+    webhook_secret = models.CharField(max_length=64, default=new_webhook_secret, editable=False)
+    rate_limit_hits = models.PositiveIntegerField(
+        default=100, help_text="Requests refused by a rate limit within an hour that raise an alert; 0: none."
+    )
+
+    class Meta:
+        verbose_name_plural = "alert settings"
+
+    def __str__(self) -> str:
+        return f"alerts of {self.tenant_id}"
+
+
+class Alert(models.Model):
+    """An alert that fired: once per subject, kind, threshold and period."""
+
+    class Kind(models.TextChoices):
+        QUOTA = "quota", "Monthly token quota"
+        KEY_BUDGET = "key_budget", "Key's monthly token budget"
+        RATE_LIMITED = "rate_limited", "Requests refused by rate limits"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="alerts")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # "tenant" or "key:<id>": part of the once-per-period rule (a NULL key would not be unique).
+    subject = models.CharField(max_length=32)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    threshold = models.PositiveIntegerField(help_text="Percent of the limit; for rate_limited, the refusals.")
+    period = models.CharField(max_length=16, help_text="YYYY-MM, or YYYY-MM-DDTHH for rate_limited.")
+    used = models.PositiveBigIntegerField()
+    limit = models.PositiveBigIntegerField()
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "subject", "kind", "threshold", "period"], name="alert_once_per_period"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.subject} {self.kind} {self.threshold} {self.period}"
+
+
+class WebhookDelivery(models.Model):
+    """One alert's webhook: its attempts and their outcome (the dashboard's delivery log)."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        DELIVERED = "delivered", "Delivered"
+        FAILED = "failed", "Failed"
+
+    alert = models.ForeignKey(Alert, on_delete=models.CASCADE, related_name="deliveries")
+    url = models.URLField(max_length=500)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    response_status = models.PositiveIntegerField(null=True, blank=True)
+    error = models.CharField(max_length=500, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    last_attempt_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "webhook deliveries"
+
+    def __str__(self) -> str:
+        return f"{self.alert_id} -> {self.url} ({self.status})"

@@ -12,7 +12,7 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from core.errors import NotFoundError
-from tenants.models import ApiKey, AuditEntry, Membership, Tenant, UsageRecord
+from tenants.models import Alert, ApiKey, AuditEntry, Membership, Tenant, UsageRecord
 
 GROUP_BY_CHOICES = ("day", "model", "key")
 
@@ -152,3 +152,13 @@ def usage_per_day(*, records: QuerySet[UsageRecord]) -> list[dict]:
 def audit_list_for_tenant(*, tenant_id: int) -> QuerySet[AuditEntry]:
     """The tenant's audit entries, newest first."""
     return AuditEntry.objects.filter(tenant_id=tenant_id).order_by("-created_at", "-id")
+
+
+def alert_list_for_tenant(*, tenant_id: int) -> QuerySet[Alert]:
+    """The tenant's alerts, newest first, with their webhook deliveries."""
+    return (
+        Alert.objects.filter(tenant_id=tenant_id)
+        .select_related("api_key")
+        .prefetch_related("deliveries")
+        .order_by("-created_at", "-id")
+    )

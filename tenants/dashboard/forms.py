@@ -66,3 +66,20 @@ class ApiKeyRotateForm(forms.Form):
 
     def grace(self) -> timedelta:
         return timedelta(hours=self.cleaned_data["grace_hours"])
+
+
+class AlertSettingsForm(forms.Form):
+    thresholds = forms.CharField(
+        max_length=60, help_text="Percents of the monthly quota and of each key's budget, comma-separated."
+    )
+    email = forms.BooleanField(required=False, label="E-mail the owners and admins")
+    webhook_url = forms.URLField(required=False, max_length=500, assume_scheme="https", label="Webhook URL")
+    rate_limit_hits = forms.IntegerField(
+        min_value=0, label="Rate-limit refusals in an hour that raise an alert (0: none)"
+    )
+
+    def clean_thresholds(self) -> list[int]:
+        try:
+            return [int(part) for part in self.cleaned_data["thresholds"].split(",") if part.strip()]
+        except ValueError:
+            raise forms.ValidationError("Whole percents, comma-separated: 80, 100.") from None

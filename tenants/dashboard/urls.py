@@ -28,5 +28,6 @@ urlpatterns = [
     path("t/<slug:slug>/usage.csv", views.usage_export, name="usage_export"),
     path("t/<slug:slug>/playground/", views.playground, name="playground"),
     path("t/<slug:slug>/audit/", views.audit, name="audit"),
+    path("t/<slug:slug>/alerts/", views.alerts, name="alerts"),
     path("t/<slug:slug>/audit.csv", views.audit_export, name="audit_export"),
 ]

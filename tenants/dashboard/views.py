@@ -16,10 +16,11 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from core.errors import InvalidRequestError, NotFoundError
 from tenants.audit_csv import audit_csv_response
 from tenants.dashboard.access import TenantAccess, memberships_for_user, tenant_page
-from tenants.dashboard.forms import ApiKeyCreateForm, ApiKeyRotateForm
+from tenants.dashboard.forms import AlertSettingsForm, ApiKeyCreateForm, ApiKeyRotateForm
 from tenants.dashboard.usage import PERIOD_CHOICES, period_days, usage_report
 from tenants.models import ApiKey
 from tenants.selectors import (
+    alert_list_for_tenant,
     api_key_get_for_user,
     api_key_list_for_tenant,
     audit_list_for_tenant,
@@ -28,6 +29,7 @@ from tenants.selectors import (
     tenant_get_for_user,
 )
 from tenants.services import api_key_create_for_member, api_key_revoke_for_member, api_key_rotate_for_member
+from tenants.services.alerts import alert_settings_get, alert_settings_update
 from tenants.usage_csv import usage_csv, usage_csv_filename
 
 WEBSOCKET_CHAT_PATH = "/ws/v1/chat"
@@ -270,3 +272,50 @@ def audit_export(request: HttpRequest, access: TenantAccess) -> HttpResponse:
     access.require_manager(what="the audit log")
     entries = audit_list_for_tenant(tenant_id=access.tenant.pk).order_by("created_at", "id")
     return audit_csv_response(entries, filename=f"audit-{access.tenant.slug}.csv")
+
+
+ALERTS_SHOWN = 50
+
+
+def _alerts_page(request: HttpRequest, access: TenantAccess, form: AlertSettingsForm, status: int = 200):
+    row = alert_settings_get(tenant=access.tenant)
+    context = access.context(
+        active_tab="alerts",
+        form=form,
+        settings_row=row,
+        alerts=alert_list_for_tenant(tenant_id=access.tenant.pk)[:ALERTS_SHOWN],
+    )
+    return render(request, "dashboard/alerts.html", context, status=status)
+
+
+@require_http_methods(["GET", "POST"])
+@tenant_page
+def alerts(request: HttpRequest, access: TenantAccess) -> HttpResponse:
+    """Alert thresholds, e-mail and the signed webhook; what fired, and each webhook's deliveries."""
+    access.require_manager(what="alerts")
+    row = alert_settings_get(tenant=access.tenant)
+    if request.method == "GET":
+        initial = {
+            "thresholds": ", ".join(str(t) for t in row.thresholds),
+            "email": row.email,
+            "webhook_url": row.webhook_url,
+            "rate_limit_hits": row.rate_limit_hits,
+        }
+        return _alerts_page(request, access, AlertSettingsForm(initial=initial))
+    form = AlertSettingsForm(request.POST)
+    if not form.is_valid():
+        return _alerts_page(request, access, form, status=400)
+    try:
+        alert_settings_update(
+            tenant=access.tenant,
+            thresholds=form.cleaned_data["thresholds"],
+            email=form.cleaned_data["email"],
+            webhook_url=form.cleaned_data["webhook_url"] or "",
+            rate_limit_hits=form.cleaned_data["rate_limit_hits"],
+            new_secret=bool(request.POST.get("new_secret")),
+        )
+    except InvalidRequestError as exc:
+        form.add_error(exc.param if exc.param in form.fields else None, exc.message)
+        return _alerts_page(request, access, form, status=400)
+    messages.success(request, "Alert settings saved.")
+    return redirect("dashboard:alerts", slug=access.tenant.slug)

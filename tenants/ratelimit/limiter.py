@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,7 +211,26 @@ def admit(
         message = f"Rate limit reached for {scope}. Please try again when a request finishes."
     else:
         message = f"Rate limit reached for {scope}. Please try again in {retry_seconds}s."
+    _count_refusal(tenant_id=auth.tenant_id)
     raise RateLimitError(message, headers=headers)
+
+
+# Refusals by a rate limit are counted per tenant and hour, for the alert on limits hit repeatedly
+# (tenants.services.alerts); kept two hours.
+def rate_limited_key(*, tenant_id: int, hour: str) -> str:
+    return rkey("alerts", "ratelimited", tenant_id, hour)
+
+
+def _count_refusal(*, tenant_id: int) -> None:
+    key = rate_limited_key(tenant_id=tenant_id, hour=time.strftime("%Y-%m-%dT%H", time.gmtime()))
+    pipe = get_redis().pipeline(transaction=False)
+    pipe.incr(key)
+    pipe.expire(key, 2 * 3600)
+    pipe.execute()
+
+
+def rate_limited_count(*, tenant_id: int, hour: str) -> int:
+    return int(get_redis().get(rate_limited_key(tenant_id=tenant_id, hour=hour)) or 0)
 
 
 SETTLED_NOW, SETTLED_BEFORE, NOT_RESERVED = 1, 2, 0

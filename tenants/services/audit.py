@@ -23,7 +23,7 @@ from core.actor import current_actor
 from tenants.models import AuditEntry
 
 # Never logged, whatever the model: what would let a reader act as someone.
-SECRET_FIELDS = frozenset({"digest", "previous_digest", "password", "secret", "token"})
+SECRET_FIELDS = frozenset({"digest", "previous_digest", "password", "secret", "token", "webhook_secret"})
 
 
 def _plain(value: Any) -> Any:

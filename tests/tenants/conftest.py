@@ -17,3 +17,6 @@ def world_options() -> dict:
 @pytest.fixture
 def api_client() -> APIClient:
     return APIClient()
+
+
+from tests.inference.peft_adapters import celery_eager  # noqa: E402, F401 - fixture
