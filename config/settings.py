@@ -98,6 +98,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "tenants.sso.sso_context",
             ],
         },
     },
@@ -266,6 +267,27 @@ CONTENT_SECURITY_POLICY = {
 
 # Failed logins (dashboard and admin) are throttled per user name and address (django-axes).
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+
+# Single sign-on for the dashboard and the admin: OpenID Connect's code flow (mozilla-django-oidc,
+# tenants.sso), on when a client id is set. A claim maps the user to tenants and roles
+# (tenants.services.sso); password login stays.
+OIDC_RP_CLIENT_ID = envstr("PAGODA_OIDC_CLIENT_ID", "") or ""
+SSO_ENABLED = bool(OIDC_RP_CLIENT_ID)
+OIDC_RP_CLIENT_SECRET = envstr("PAGODA_OIDC_CLIENT_SECRET", "") or ""
+OIDC_OP_AUTHORIZATION_ENDPOINT = envstr("PAGODA_OIDC_AUTHORIZATION_ENDPOINT", "") or ""
+OIDC_OP_TOKEN_ENDPOINT = envstr("PAGODA_OIDC_TOKEN_ENDPOINT", "") or ""
+OIDC_OP_USER_ENDPOINT = envstr("PAGODA_OIDC_USERINFO_ENDPOINT", "") or ""
+OIDC_OP_JWKS_ENDPOINT = envstr("PAGODA_OIDC_JWKS_ENDPOINT", "") or ""
+OIDC_RP_SIGN_ALGO = envstr("PAGODA_OIDC_SIGN_ALGO", "RS256")
+OIDC_RP_SCOPES = "openid email profile"
+# Who the identities are from (tenants.models.SsoIdentity); by default the authorization endpoint's origin.
+SSO_ISSUER = envstr("PAGODA_OIDC_ISSUER", "") or ""
+# {"pagoda_tenants": ["<tenant slug>:<owner|admin|member>", ...], "pagoda_staff": true}
+SSO_TENANTS_CLAIM = envstr("PAGODA_OIDC_TENANTS_CLAIM", "pagoda_tenants")
+SSO_STAFF_CLAIM = envstr("PAGODA_OIDC_STAFF_CLAIM", "pagoda_staff")
+LOGIN_REDIRECT_URL_FAILURE = "/dashboard/login/?sso=failed"
+if SSO_ENABLED:
+    AUTHENTICATION_BACKENDS.append("tenants.sso.PagodaOIDCBackend")
 AXES_FAILURE_LIMIT = envint("PAGODA_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=envint("PAGODA_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path, re_path
 
@@ -28,3 +29,7 @@ urlpatterns = [
     # unknown /v1 URLs answer 404 in the OpenAI error shape instead of an HTML page.
     re_path(r"^v1(/.*)?$", v1_not_found),
 ]
+
+if settings.SSO_ENABLED:
+    # /oidc/authenticate/ starts the code flow; the identity provider returns to /oidc/callback/.
+    urlpatterns.append(path("oidc/", include("mozilla_django_oidc.urls")))

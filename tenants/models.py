@@ -390,3 +390,22 @@ class WebhookDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.alert_id} -> {self.url} ({self.status})"
+
+
+class SsoIdentity(models.Model):
+    """The identity provider's account a user signs in with (OpenID Connect: issuer and subject)."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sso_identity"
+    )
+    issuer = models.CharField(max_length=300)
+    subject = models.CharField(max_length=255)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    last_login_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "SSO identities"
+        constraints = [models.UniqueConstraint(fields=["issuer", "subject"], name="sso_identity_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.subject}@{self.issuer}"
