@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -15,7 +16,7 @@ from config.asgi import application
 from inference.services import generation as generation_module
 from tenants.models import UsageRecord
 from tenants.ratelimit import limiter
-from tenants.services import api_key_revoke, tenant_set_active
+from tenants.services import api_key_revoke, api_key_rotate, tenant_set_active
 from tests.helpers import async_wait_until
 from tests.inference.conftest import queued_requests
 
@@ -88,14 +89,21 @@ async def test_an_authenticated_socket_is_not_closed_by_the_auth_timeout(world, 
 
 
 @pytest.mark.parametrize(
-    ("how", "code"), [("revoked", "invalid_api_key"), ("tenant deactivated", "tenant_inactive")]
+    ("how", "code"),
+    [
+        ("revoked", "invalid_api_key"),
+        ("tenant deactivated", "tenant_inactive"),
+        ("secret rotated without grace", "invalid_api_key"),
+    ],
 )
 async def test_a_stream_started_after_the_key_lost_its_rights_is_refused(world, how, code):
     communicator = await _authenticated(world)
     if how == "revoked":
         await sync_to_async(api_key_revoke)(api_key=world.key_a)
-    else:
+    elif how == "tenant deactivated":
         await sync_to_async(tenant_set_active)(tenant=world.tenant_a, active=False)
+    else:
+        await sync_to_async(api_key_rotate)(api_key=world.key_a, grace=timedelta(0))
 
     await communicator.send_json_to(_chat("s1", world.model))
 
