@@ -103,32 +103,18 @@ class ApiKeyAdmin(AuditedAdmin):
         "allowed_models",
     )
 
+    # Shown on a key's change page, never edited there.
+    _shown = ("created_by", "created_at", "last_used_at", "previous_valid_until", "revoked_at")
+
     def get_fields(self, request, obj=None):
         if obj is None:
             return ("tenant", *self._editable)
-        return (
-            "tenant",
-            "display_prefix",
-            *self._editable,
-            "created_by",
-            "created_at",
-            "last_used_at",
-            "previous_valid_until",
-            "revoked_at",
-        )
+        return ("tenant", "display_prefix", *self._editable, *self._shown)
 
     def get_readonly_fields(self, request, obj=None):
         if obj is None:
             return ()
-        return (
-            "tenant",
-            "display_prefix",
-            "created_by",
-            "created_at",
-            "last_used_at",
-            "previous_valid_until",
-            "revoked_at",
-        )
+        return ("tenant", "display_prefix", *self._shown)
 
     @admin.display(description="prefix")
     def display_prefix(self, obj: ApiKey) -> str:

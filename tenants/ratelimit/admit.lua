@@ -142,25 +142,23 @@ if max_conc >= 0 then
   end
 end
 
-local quota = tonumber(ARGV[10])
-local quota_charged = 0
-if quota >= 0 then
-  local used = redis.call('GET', KEYS[10])
-  if not used then return {4, -1, -1, 0, -1, -1, 0, 0, 'quota'} end
-  if tonumber(used) + tok_cost > quota then
-    return {3, req[1], req[2], req[3], tok[1], tok[2], tok[3], 0, 'monthly token quota'}
+-- A month's counter (the tenant's quota, the key's budget): nil when it admits the tokens, else
+-- the reply (the counter is missing: seed it; or it is used up).
+local function check_month(counter, limit, unseeded, exceeded, scope)
+  if limit < 0 then return nil end
+  local used = redis.call('GET', counter)
+  if not used then return {unseeded, -1, -1, 0, -1, -1, 0, 0, scope} end
+  if tonumber(used) + tok_cost > limit then
+    return {exceeded, req[1], req[2], req[3], tok[1], tok[2], tok[3], 0, 'monthly token ' .. scope}
   end
+  return nil
 end
 
+local quota = tonumber(ARGV[10])
 local budget = tonumber(ARGV[16])
-local budget_charged = 0
-if budget >= 0 then
-  local used = redis.call('GET', KEYS[13])
-  if not used then return {7, -1, -1, 0, -1, -1, 0, 0, 'key budget'} end
-  if tonumber(used) + tok_cost > budget then
-    return {8, req[1], req[2], req[3], tok[1], tok[2], tok[3], 0, 'key monthly token budget'}
-  end
-end
+local refused = check_month(KEYS[10], quota, 4, 3, 'quota') or check_month(KEYS[13], budget, 7, 8, 'budget of the key')
+if refused then return refused end
+local quota_charged, budget_charged = 0, 0
 
 -- Every check passed: count the request everywhere at once.
 for _, s in ipairs(req_scopes) do

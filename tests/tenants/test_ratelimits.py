@@ -20,7 +20,7 @@ from tenants.services import (
     usage_record_create,
 )
 from tenants.types import Settlement
-from tests.helpers import MODEL, bearer
+from tests.helpers import MODEL, bearer, usage_row
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -225,20 +225,8 @@ def test_durations_use_openais_format():
 
 def test_a_keys_monthly_budget_is_its_own_under_the_tenants_quota(world):
     budgeted, raw_key = api_key_create(tenant=world.tenant_a, name="budgeted", monthly_token_budget=500)
-    for request_id, key, tokens in (("mine", budgeted, 300), ("the-other-keys", world.key_a, 1000)):
-        usage_record_create(
-            tenant_id=world.tenant_a.pk,
-            api_key_id=key.pk,
-            model=MODEL,
-            adapter=None,
-            prompt_tokens=tokens,
-            completion_tokens=0,
-            cached_tokens=0,
-            time_to_first_token_ms=5.0,
-            latency_ms=20.0,
-            status="success",
-            request_id=request_id,
-        )
+    usage_row(budgeted, model=MODEL, prompt=300, completion=0, request_id="mine")
+    usage_row(world.key_a, model=MODEL, prompt=1000, completion=0, request_id="the-other-keys")
     auth = api_key_authenticate(raw_key=raw_key)
     period = timezone.now().strftime("%Y-%m")
 
@@ -262,19 +250,7 @@ def test_a_keys_monthly_budget_is_its_own_under_the_tenants_quota(world):
 
 def test_a_budget_counter_lost_with_redis_is_rebuilt_from_the_keys_ledger(world):
     budgeted, raw_key = api_key_create(tenant=world.tenant_a, name="budgeted", monthly_token_budget=100)
-    usage_record_create(
-        tenant_id=world.tenant_a.pk,
-        api_key_id=budgeted.pk,
-        model=MODEL,
-        adapter=None,
-        prompt_tokens=60,
-        completion_tokens=30,
-        cached_tokens=0,
-        time_to_first_token_ms=5.0,
-        latency_ms=20.0,
-        status="success",
-        request_id="spent",
-    )
+    usage_row(budgeted, model=MODEL, prompt=60, completion=30, request_id="spent")
     auth = api_key_authenticate(raw_key=raw_key)
 
     with pytest.raises(QuotaExceededError):
