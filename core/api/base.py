@@ -133,15 +133,16 @@ class ApiView(View):
             return self._without_handler(request)
         if not self.public:
             self.auth = await self.authenticate(request)
+            self.ratelimit_headers = await sync_to_async(_configured("API_REQUEST_ADMIT"))(
+                auth=self.auth, request_id=self.request_id
+            )
+            # After the count: a refused request costs its sender a request, as any other does.
             scopes = getattr(self.auth, "scopes", (self.required_scope,))
             if self.required_scope not in scopes:
                 raise PermissionDeniedError(
                     f"This API key lacks the '{self.required_scope}' scope that "
                     f"{request.method} {request.path} needs (it has: {', '.join(scopes)})."
                 )
-            self.ratelimit_headers = await sync_to_async(_configured("API_REQUEST_ADMIT"))(
-                auth=self.auth, request_id=self.request_id
-            )
         actor = SYSTEM
         if self.auth is not None:
             actor = Actor(
