@@ -88,6 +88,7 @@ async def test_an_inference_key_is_refused_every_management_endpoint_naming_the_
     response = await _call(method, path, body, raw_key)
 
     assert response.status_code == 403
+    assert response["x-ratelimit-remaining-requests"]  # counted, as every refused request is
     assert response.json() == {
         "error": {
             "message": f"This API key lacks the 'manage' scope that {method.upper()} {path} needs "
