@@ -95,6 +95,7 @@ def test_admin_changes_to_limits_tiers_members_keys_and_deployments_are_logged(o
         "limits-0-fair_share_weight": str(limits.fair_share_weight),
         "limits-0-service_tiers": '["default", "flex", "priority"]',
         **_inline("memberships", total=4, initial=3),
+        **_inline("alert_settings", total=0, maximum=1),
         **{
             f"memberships-{i}-{field}": value
             for i, m in enumerate(Membership.objects.filter(tenant=world.tenant_a).order_by("pk"))

@@ -70,6 +70,7 @@ def test_operator_creates_a_tenant_with_limits_and_an_owner_in_one_form(operator
         "limits-0-max_queued_requests": "8",
         "limits-0-queue_timeout_seconds": "30",
         **_inline_management("memberships", total=1),
+        **_inline_management("alert_settings", total=0, maximum=1),
         "memberships-0-user": str(user.pk),
         "memberships-0-role": "owner",
     }
@@ -105,6 +106,7 @@ def test_the_admin_refuses_an_unknown_service_tier(operator, world):
         "limits-0-fair_share_weight": "1",
         "limits-0-service_tiers": '["default", "platinum"]',
         **_inline_management("memberships", total=0),
+        **_inline_management("alert_settings", total=0, maximum=1),
     }
     response = operator.post("/admin/tenants/tenant/add/", data)
     assert response.status_code == 200 and "A list of service tiers" in response.content.decode()
@@ -130,6 +132,7 @@ def test_limits_edited_in_the_admin_reach_cached_keys_at_once(
         "limits-0-fair_share_weight": "4",
         "limits-0-service_tiers": '["default", "flex", "priority"]',
         **_inline_management("memberships", total=0),
+        **_inline_management("alert_settings", total=0, maximum=1),
     }
 
     with django_capture_on_commit_callbacks(execute=True):
