@@ -68,6 +68,20 @@ def configure_django(*, run_id: str) -> Path:
     return work_dir
 
 
+def add_engine_setting_option(parser: Any, *, help: str) -> None:  # noqa: A002 - argparse's name
+    """`--engine-setting KEY=VALUE` (a JSON value), repeatable: deployment engine_settings entries."""
+    parser.add_argument("--engine-setting", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def engine_settings_from(items: list[str], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`defaults` with the `--engine-setting` entries over them."""
+    settings = dict(defaults)
+    for item in items:
+        key, _, value = item.partition("=")
+        settings[key] = json.loads(value)
+    return settings
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

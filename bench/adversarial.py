@@ -55,7 +55,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._stack import UNTHROTTLED, BenchStack, create_stack  # noqa: E402
+from bench._stack import (  # noqa: E402
+    UNTHROTTLED,
+    BenchStack,
+    add_engine_setting_option,
+    create_stack,
+    engine_settings_from,
+)
 from bench.common import percentile  # noqa: E402
 
 TARGET = 2.0
@@ -308,13 +314,7 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--attacks", default=",".join(ATTACKS))
-    parser.add_argument(
-        "--engine-setting",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a deployment engine_settings entry (JSON value), repeatable",
-    )
+    add_engine_setting_option(parser, help="a deployment engine_settings entry (JSON value), repeatable")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
     unknown = set(attacks) - set(ATTACKS)
@@ -327,10 +327,7 @@ def main() -> int:
     from engine.demo_model import default_model_dir, fetch_demo_model
 
     model_dir = fetch_demo_model(default_model_dir("float32"), dtype="float32", progress=False)
-    engine_settings: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
-    for item in args.engine_setting:
-        key, _, value = item.partition("=")
-        engine_settings[key] = json.loads(value)
+    engine_settings = engine_settings_from(args.engine_setting, {"max_num_seqs": args.max_num_seqs})
     stack = create_stack(model_dir=model_dir, engine_settings=engine_settings, max_model_len=4096)
     attacker_tenant = None
     try:

@@ -40,7 +40,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._stack import BenchStack, create_stack  # noqa: E402
+from bench._stack import (  # noqa: E402
+    BenchStack,
+    add_engine_setting_option,
+    create_stack,
+    engine_settings_from,
+)
 from bench.common import bench_model_dir, log, percentile, real_model_dir  # noqa: E402
 
 WAYS = ("prefix", "shared", "single")
@@ -189,12 +194,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--engine-setting",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a deployment engine_settings entry (JSON value) for every way, repeatable",
+    add_engine_setting_option(
+        parser, help="a deployment engine_settings entry (JSON value) for every way, repeatable"
     )
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -204,10 +205,9 @@ def main() -> None:
         parser.error(f"unknown ways: {sorted(unknown)}")
 
     model_dir = real_model_dir() if args.model == "smollm2" else bench_model_dir()
-    engine_settings: dict[str, Any] = {"max_num_seqs": 16, "kv_cache_memory": "1GiB"}
-    for item in args.engine_setting:
-        key, _, value = item.partition("=")
-        engine_settings[key] = json.loads(value)
+    engine_settings = engine_settings_from(
+        args.engine_setting, {"max_num_seqs": 16, "kv_cache_memory": "1GiB"}
+    )
     stack = create_stack(
         model_dir=model_dir,
         engine_settings=engine_settings,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.contrib import admin, messages
-from django.db import transaction
+from django.db import models, transaction
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
@@ -49,6 +49,8 @@ class AlertSettingsInline(admin.StackedInline):
     can_delete = False
     max_num = 1
     fields = ("thresholds", "email", "webhook_url", "rate_limit_hits")
+    # A webhook URL typed without a scheme is https.
+    formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
 
 class MembershipInline(admin.TabularInline):

@@ -157,7 +157,7 @@ class RequestQueue:
         try:
             own, shared = self._read_new(keys=keys, args=args)
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not _no_group(exc):
                 raise
             # Taken for a lost replica while this one stalled, its stream was retired: open it again.
             self.ensure_group()
@@ -173,7 +173,7 @@ class RequestQueue:
                     block=block_ms,
                 )
             except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not _no_group(exc):
                     raise
                 self.ensure_group()  # retired a moment ago (see above); read again next time
                 reply = None
@@ -207,7 +207,7 @@ class RequestQueue:
                     CONSUMER_GROUP, self.replica_id, {stream: "0"}, count=count - len(entries)
                 )
             except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not _no_group(exc):
                     raise
                 continue  # a stream retired meanwhile
             entries.extend(_entries(reply))
@@ -229,7 +229,7 @@ class RequestQueue:
                     count=count - len(claimed),
                 )
             except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not _no_group(exc):
                     raise
                 continue
             self._autoclaim_cursors[stream] = reply[0]
@@ -492,6 +492,12 @@ class RequestQueue:
         pipe.delete(replica_stats_key(self.prefix, self.model, self.replica_id))
         pipe.zrem(replicas_key(self.prefix, self.model), self.replica_id)
         pipe.execute()
+
+
+def _no_group(exc: redis.ResponseError) -> bool:
+    """Whether Redis answered that the stream or its consumer group is not there (a replica's
+    stream retired meanwhile)."""
+    return "NOGROUP" in str(exc)
 
 
 def model_request_streams(client: redis.Redis, prefix: str, model: str) -> list[str]:
