@@ -172,6 +172,11 @@ class _Secrets:
             return "previous"
         return None
 
+    def rotated_out(self, digest: str, now: datetime) -> bool:
+        """Whether the digest is of the secret a rotation replaced and its grace period is over."""
+        in_grace = self.previous_until is not None and now < self.previous_until
+        return not in_grace and self.match(digest) == "previous"
+
 
 @dataclass(frozen=True, slots=True)
 class _Cached:
@@ -279,9 +284,7 @@ def api_key_authenticate(*, raw_key: str) -> AuthContext:
         raise AuthenticationError("This API key has expired.")
     # The secret a rotation replaced ends at its time in every process, cached or not.
     assert cached is not None
-    if cached.secrets.match(digest) == "previous" and not (
-        cached.secrets.previous_until is not None and now < cached.secrets.previous_until
-    ):
+    if cached.secrets.rotated_out(digest, now):
         raise AuthenticationError("This API key's secret was rotated and its grace period is over.")
     if first_use_this_minute:
         _touch_last_used(context.api_key_id)
