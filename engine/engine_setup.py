@@ -144,7 +144,7 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
     max_model_len = resolve_max_model_len(config, model_config)
     scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
     backend = make_backend(config.attention_backend, device)
-    model = load_model(config.model, backend, dtype=config.dtype, device=device)
+    model = load_model(config.model, backend, dtype=config.dtype, device=device, max_model_len=max_model_len)
     sampler = Sampler(model_config.eos_token_ids)
     num_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
     graph_sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, scheduler_config.max_num_seqs)

@@ -11,6 +11,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+
+# The mixture-of-experts shapes: experts per layer, experts per token.
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +99,15 @@ _ROPE_1M = {"rope_type": "default", "rope_theta": 1000000.0}
 
 
 def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: str, ids: dict[str, int]):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -139,6 +151,52 @@ def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: st
             attention_bias=False,
             **common,
         )
+    if arch == "phi3":
+        # Phi-4-mini's shape: LongRoPE over three quarters of each head. The pre-training context is
+        # the whole context here, so its short factors (random, to be seen) serve every position;
+        # tests lower original_max_position_embeddings to reach the long ones.
+        rotary = (size.hidden_size // size.num_heads) * 3 // 4
+        gen = random.Random(size.hidden_size)
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": size.max_position_embeddings,
+            "short_factor": [round(gen.uniform(1.0, 2.0), 3) for _ in range(rotary // 2)],
+            "long_factor": [round(gen.uniform(2.0, 8.0), 3) for _ in range(rotary // 2)],
+        }
+        return Phi3Config(
+            rope_parameters=rope,
+            original_max_position_embeddings=size.max_position_embeddings,
+            sliding_window=None,
+            **common,
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            sliding_window=None,
+            rope_parameters=_ROPE_1M,
+            num_local_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            **common,
+        )
+    if arch == "qwen3_moe":
+        # head_dim: a config field the class's signature does not name.
+        extra: dict[str, Any] = {"head_dim": size.hidden_size // size.num_heads}
+        # The first layer keeps a dense MLP (mlp_only_layers), the others are sparse with experts
+        # half the dense width, and the chosen experts' weights renormalised, as Qwen3-30B-A3B.
+        return Qwen3MoeConfig(
+            rope_parameters=_ROPE_1M,
+            use_sliding_window=False,
+            attention_bias=False,
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            moe_intermediate_size=size.intermediate_size // 2,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            decoder_sparse_step=1,
+            **extra,
+            **common,
+        )
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 
@@ -158,9 +216,12 @@ def make_model(
         GenerationConfig,
         LlamaForCausalLM,
         MistralForCausalLM,
+        MixtralForCausalLM,
+        Phi3ForCausalLM,
         PreTrainedTokenizerFast,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM,
     )
 
     if size not in SIZES:
@@ -175,10 +236,13 @@ def make_model(
         "mistral": MistralForCausalLM,
         "qwen2": Qwen2ForCausalLM,
         "qwen3": Qwen3ForCausalLM,
+        "phi3": Phi3ForCausalLM,
+        "mixtral": MixtralForCausalLM,
+        "qwen3_moe": Qwen3MoeForCausalLM,
     }[arch]
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype)).eval()
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         # transformers starts every norm at ones; random ones make a misplaced q or k norm weight
         # change the logits.
         with torch.no_grad():

@@ -71,9 +71,55 @@ SERVICE_TIERS = ("auto", *SERVICE_TIER_PRIORITY)
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# qkv_proj and gate_up_proj: Phi-3's fused projections, which its adapters target as one module.
+LORA_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+LORA_MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 LORA_TARGET_MODULES = LORA_ATTENTION_MODULES + LORA_MLP_MODULES
+# A fused target's parts, in the order of its output rows.
+LORA_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def lora_module_dims(
+    *, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int
+) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every module an adapter may target on a decoder layer."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "qkv_proj": (hidden, q + 2 * kv),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+        "gate_up_proj": (hidden, 2 * intermediate),
+    }
+
+
+# --- Mixture of experts -----------------------------------------------------------------------------
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def moe_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """The decoder layers of a config.json whose MLP is a mixture of experts (none for a dense
+    model): every layer of Mixtral; Qwen3-MoE's every decoder_sparse_step-th layer not listed in
+    mlp_only_layers. An adapter cannot target those layers' MLP. ValueError for malformed fields."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not any(a in MOE_ARCHITECTURES for a in archs):
+        return ()
+    layers = int(config["num_hidden_layers"])
+    if "MixtralForCausalLM" in archs:
+        return tuple(range(layers))
+    step = config.get("decoder_sparse_step")
+    step = 1 if step is None else int(step)
+    dense = config.get("mlp_only_layers") or []
+    if step < 1 or not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ValueError("decoder_sparse_step must be positive and mlp_only_layers a list of layer numbers")
+    return tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
 # adapter_config.json options that change what a LoRA computes in ways the engine does not implement.
 _LORA_UNSUPPORTED_FLAGS = (
     "use_dora",
@@ -98,7 +144,15 @@ def lora_unsupported_options(config: dict[str, Any]) -> list[str]:
 
 
 # The checkpoint architectures (config.json "architectures") the engine implements.
-SERVED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SERVED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 
 def served_architecture(config: dict[str, Any]) -> str:
@@ -152,11 +206,11 @@ def model_task(config: dict[str, Any], requested: str | None = None) -> str:
 
 def sliding_window_in_use(config: dict[str, Any]) -> Any:
     """A config.json's sliding_window where the model uses it, else None: Qwen2 and Qwen3
-    checkpoints carry a window they use only with use_sliding_window."""
+    and Qwen3-MoE checkpoints carry a window they use only with use_sliding_window."""
     window = config.get("sliding_window")
     archs = config.get("architectures") or []
-    opt_in = config.get("model_type") in ("qwen2", "qwen3") or any(
-        a in archs for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    opt_in = config.get("model_type") in ("qwen2", "qwen3", "qwen3_moe") or any(
+        a in archs for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     )
     return window if window is not None and (not opt_in or config.get("use_sliding_window")) else None
 

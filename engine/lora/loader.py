@@ -20,7 +20,7 @@ from engine.lora.errors import LoRALoadError
 from engine.models.config import ModelConfig
 from engine.rules import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from engine.rules import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
-from engine.rules import lora_unsupported_options
+from engine.rules import LORA_FUSED_PARTS, lora_module_dims, lora_unsupported_options
 
 # The fused linears of engine.models.llama and the PEFT target modules each one stands for, in the
 # order their output columns are laid out.
@@ -30,25 +30,28 @@ FUSED_TARGETS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "qkv_proj": "self_attn",
+}
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
+    r"(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.lora_(A|B)\.weight$"
 )
 
 
 def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA target module of the base model."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
+    return lora_module_dims(
+        hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size,
+        heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
 
 
 @dataclass(slots=True)
@@ -111,6 +114,10 @@ def load_adapter(path: str | Path, cfg: ModelConfig, *, max_rank: int, dtype: to
         layer, parent, proj, which = int(m.group(1)), m.group(2), f"{m.group(3)}_proj", m.group(4)
         if parent != _PARENT.get(proj, "mlp") or layer >= cfg.num_layers:
             raise LoRALoadError(f"{root}: {name!r} names no module of the base model")
+        if parent == "mlp" and layer in cfg.moe_layers:
+            raise LoRALoadError(
+                f"{root}: {name!r}: layer {layer}'s MLP is a mixture of experts, which adapters do not target"
+            )
         pairs.setdefault((layer, proj), {})[which] = tensor
     if not pairs:
         raise LoRALoadError(f"{root}: {WEIGHTS_FILE} holds no LoRA weights")
@@ -132,7 +139,16 @@ def load_adapter(path: str | Path, cfg: ModelConfig, *, max_rank: int, dtype: to
         if not (a.is_floating_point() and b.is_floating_point()):
             raise LoRALoadError(f"{where}: LoRA weights must be floating point")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
-        modules[(layer, proj)] = (a.float(), b.float() * scale)
+        a, b = a.float(), b.float() * scale
+        # A fused target is its parts' LoRA with one A between them: B's rows split by part.
+        parts = LORA_FUSED_PARTS.get(proj, (proj,))
+        row = 0
+        for part in parts:
+            if (layer, part) in modules:
+                raise LoRALoadError(f"{where}: {part} is also adapted on its own")
+            rows = dims[part][1]
+            modules[(layer, part)] = (a, b[row : row + rows])
+            row += rows
     rank = max(a.shape[0] for a, _ in modules.values())
     weights = {key: _pad(a, b, rank, dtype) for key, (a, b) in modules.items()}
     return LoRAAdapter(path=str(root), rank=rank, weights=weights)

@@ -39,6 +39,8 @@ def wrap_linears(
         owners = {"qkv_proj": attn, "o_proj": attn, "gate_up_proj": mlp, "down_proj": mlp}
         per_layer: dict[str, LoRALinear] = {}
         for fused, subs in FUSED_TARGETS.items():
+            if not hasattr(owners[fused], fused):  # a mixture of experts in place of the MLP
+                continue
             base = getattr(owners[fused], fused)
             if isinstance(base, LoRALinear):
                 base = base.base

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
 from engine.rules import (
+    MOE_ARCHITECTURES,
     SERVED_ARCHITECTURES,
     model_context_length,
+    moe_layers,
     served_architecture,
     sliding_window_in_use,
 )
 
-# Architectures served by engine.models.llama; all share the Llama decoder layout.
+# Architectures served by engine.models.llama; all share the Llama decoder layout (Mixtral and
+# Qwen3-MoE with a sparse mixture of experts in place of the MLP: engine.models.moe).
 SUPPORTED_ARCHITECTURES = SERVED_ARCHITECTURES
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 class ModelLoadError(EngineError):
@@ -46,6 +50,16 @@ class ModelConfig:
     qkv_bias: bool
     torch_dtype: str
     qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before the rotary embedding
+    # The leading dims of each head that the rotary embedding turns (Phi-4-mini: 3/4 of them); the
+    # rest pass through. None: the whole head.
+    rotary_dim: int | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): the layers whose MLP is a sparse block of
+    # num_experts experts, each token routed to num_experts_per_tok of them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to one
+    moe_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -56,6 +70,10 @@ class ModelConfig:
         return model_context_length(
             {"max_position_embeddings": self.max_position_embeddings, "sliding_window": self.sliding_window}
         )
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -83,10 +101,11 @@ def _as_id_list(value: Any) -> list[int]:
 _ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(raw: dict[str, Any], arch: str, rotary_dim: int) -> tuple[float, dict[str, Any] | None]:
     # transformers >= 5 writes rope_parameters (theta inside); older checkpoints (every Llama 3.1 on
     # the hub) write rope_theta beside rope_scaling.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -94,6 +113,10 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ModelLoadError(f"rope_parameters / rope_scaling must be an object, got {params!r}")
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # the names early Phi-3 configs gave LongRoPE
+    if rope_type == "longrope":
+        return theta, _longrope(raw, params, rotary_dim)
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope type {rope_type!r} is not supported (supported: {_SUPPORTED_ROPE_TYPES})"
@@ -113,6 +136,71 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "llama3" and not float(scaling["high_freq_factor"]) > float(scaling["low_freq_factor"]):
         raise ModelLoadError("rope parameter high_freq_factor must be greater than low_freq_factor")
     return theta, scaling
+
+
+def _longrope(raw: dict[str, Any], params: dict[str, Any], rotary_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE: per-frequency factors for short and long contexts, and the attention
+    factor that scales cos and sin (from the context's growth over the pre-training one unless
+    given)."""
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError("rope type 'longrope' needs original_max_position_embeddings")
+    original = int(original)
+    if original < 1:
+        raise ModelLoadError(f"original_max_position_embeddings must be positive, got {original}")
+    scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": original}
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if not isinstance(factors, list) or len(factors) != rotary_dim // 2:
+            raise ModelLoadError(f"rope parameter {key} must be a list of {rotary_dim // 2} numbers")
+        values = [float(f) for f in factors]
+        if not all(v > 0 for v in values):
+            raise ModelLoadError(f"rope parameter {key} must hold positive numbers")
+        scaling[key] = values
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(raw.get("max_position_embeddings", 2048)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    scaling["attention_factor"] = float(attention)
+    return scaling
+
+
+def _rotary_dim(raw: dict[str, Any], head_dim: int) -> int | None:
+    params = raw.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if not 0 < factor <= 1:
+        raise ModelLoadError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    dim = int(head_dim * factor)
+    if dim == head_dim:
+        return None
+    if dim < 2 or dim % 2:
+        raise UnsupportedModelError(f"a rotary embedding over {dim} of {head_dim} head dims is not supported")
+    return dim
+
+
+def _moe(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig for Mixtral and Qwen3-MoE; {} for a dense model.
+    Qwen3-MoE's dense layers keep an MLP of intermediate_size."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    experts = _positive(raw, "num_local_experts", raw.get("num_experts"))
+    top_k = _positive(raw, "num_experts_per_tok")
+    if top_k > experts:
+        raise ModelLoadError(f"num_experts_per_tok ({top_k}) exceeds the {experts} experts")
+    mixtral = arch == "MixtralForCausalLM"
+    try:
+        layers = moe_layers(raw)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": _positive(raw, "intermediate_size" if mixtral else "moe_intermediate_size"),
+        "norm_topk_prob": True if mixtral else bool(raw.get("norm_topk_prob", False)),
+        "moe_layers": layers,
+    }
 
 
 def _positive(raw: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -145,16 +233,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise UnsupportedModelError(f"{root}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     try:
         hidden, heads = _positive(raw, "hidden_size"), _positive(raw, "num_attention_heads")
-        theta, scaling = _rope(raw)
+        head_dim = _positive(raw, "head_dim", hidden // heads)
+        rotary_dim = _rotary_dim(raw, head_dim)
+        theta, scaling = _rope(raw, arch, rotary_dim or head_dim)
         window = sliding_window_in_use(raw)
+        num_layers = _positive(raw, "num_hidden_layers")
         cfg = ModelConfig(
             architecture=arch,
             vocab_size=_positive(raw, "vocab_size"),
             hidden_size=hidden,
-            num_layers=_positive(raw, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=_positive(raw, "num_key_value_heads", heads),
-            head_dim=_positive(raw, "head_dim", hidden // heads),
+            head_dim=head_dim,
             intermediate_size=_positive(raw, "intermediate_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
@@ -163,7 +254,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            rotary_dim=rotary_dim,
+            **_moe(raw, arch),
             sliding_window=int(window) if window is not None else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_list(raw.get("eos_token_id")),

@@ -1,4 +1,5 @@
-"""The Llama decoder family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) in plain torch over a flattened token batch.
+"""The Llama decoder family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Phi-3/4, and with a mixture of experts
+Mixtral and Qwen3-MoE) in plain torch over a flattened token batch.
 
 One forward covers every token scheduled in a step, from any number of sequences, laid out back to
 back; attention reads and writes the paged KV cache through an AttentionBackend. Projections are
@@ -17,7 +18,8 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.config import ModelConfig
-from engine.models.rope import RotaryEmbedding
+from engine.models.moe import SparseMoeBlock
+from engine.models.rope import RotaryEmbedding, uses_long_factors
 from kernels import cpu_fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -82,6 +84,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.rotary_dim = cfg.rotary_dims  # below head_dim: the rest of each head is not rotated
         self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # Rotary embedding and the K/V store in one pass of the fused kernels (set by the model).
@@ -110,8 +113,7 @@ class LlamaAttention(nn.Module):
             out = backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale, kv_stored=True)
             return self.o_proj(out.reshape(-1, self.q_size))
         # q and k rotated together in one pass: (num_tokens, num_heads + num_kv_heads, head_dim)
-        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope_signed(qk, cos, sin_signed)
+        qk = self._rotate(qkv, cos, sin_signed)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
@@ -133,10 +135,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads(qkv, self.q_norm, self.k_norm)
         tokens = qkv.shape[0]
-        qk = qkv[:, : self.q_size + self.kv_size].view(
-            tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        qk = apply_rope_signed(qk, cos, sin_signed)
+        qk = self._rotate(qkv, cos, sin_signed)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.num_kv_heads != self.num_heads:
@@ -171,6 +170,15 @@ class LlamaAttention(nn.Module):
             start = end
         return self.o_proj(out.view(rows, self.q_size))
 
+    def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """q and k of the fused projection, rotated: (num_tokens, num_heads + num_kv_heads, head_dim).
+        With a partial rotary embedding only each head's first rotary_dim dims turn."""
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.rotary_dim == self.head_dim:
+            return apply_rope_signed(qk, cos, sin_signed)
+        turned = apply_rope_signed(qk[..., : self.rotary_dim], cos, sin_signed)
+        return torch.cat((turned, qk[..., self.rotary_dim :]), dim=-1)
+
     def _norm_heads(self, qkv: torch.Tensor, q_norm: HeadRMSNorm, k_norm: HeadRMSNorm) -> None:
         """q and k normed per head in place in the fused projection, before the rotary embedding."""
         tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
@@ -198,10 +206,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg) if index in cfg.moe_layers else LlamaMLP(cfg)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -233,17 +243,22 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_model_len: int | None = None) -> None:
+        """`max_model_len`: the longest context served (default: the model's), which picks
+        LongRoPE's factors (engine.models.rope.uses_long_factors)."""
         super().__init__()
         self.config = cfg
         self.backend = backend
         self.model = LlamaModel(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.long_rope = uses_long_factors(cfg.rope_scaling, max_model_len or cfg.max_model_len)
+        self.rotary = RotaryEmbedding(
+            cfg.rotary_dims, cfg.rope_theta, cfg.rope_scaling, long_context=self.long_rope
+        )
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
@@ -272,13 +287,16 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, HeadRMSNorm):
                 continue
-            if isinstance(module, RMSNorm | LlamaMLP):
+            if isinstance(module, RMSNorm | LlamaMLP | SparseMoeBlock):
                 module.fused = kernels
             elif isinstance(module, LlamaAttention):
                 # On CPU the store is the torch backend's first act; the Triton backend under the
-                # interpreter keeps its own. On a GPU both take the stored K/V.
-                on = kernels is not None and (
-                    device.type == "cuda" or isinstance(self.backend, TorchAttentionBackend)
+                # interpreter keeps its own. On a GPU both take the stored K/V. The fused rotary
+                # embedding turns whole heads: a partial one takes the torch form.
+                on = (
+                    kernels is not None
+                    and (device.type == "cuda" or isinstance(self.backend, TorchAttentionBackend))
+                    and module.rotary_dim == module.head_dim
                 )
                 module.fused = kernels if on else None
 

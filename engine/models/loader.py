@@ -16,10 +16,21 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.models.config import ModelConfig, ModelLoadError, load_model_config
-from engine.models.llama import PACKED_HINT_ROWS, LlamaForCausalLM, packed_linear
+from engine.models.llama import PACKED_HINT_ROWS, LlamaForCausalLM, LlamaMLP, packed_linear
+from engine.models.moe import SparseMoeBlock
 from engine.models.rope import rope_inv_freq
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$")
+# One expert's projections: Mixtral's w1 (gate), w3 (up), w2 (down); Qwen3-MoE's named ones.
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+# All experts in one tensor each, as transformers 5 holds them in memory.
+_EXPERTS_3D = re.compile(
+    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$"
+)
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight$")
 # Buffers some exporters write; they are recomputed here.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
@@ -40,6 +51,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights found (.bin checkpoints are not loaded)")
     return files
+
+
+def _expert_slot(cfg: ModelConfig, name: str) -> tuple[str, tuple[int, ...] | None] | None:
+    """(parameter name, index into it) for a mixture-of-experts tensor, else None: the router is
+    the layer's mlp.gate, an expert's projections slices of mlp.w13 (gate rows, then up rows)
+    and mlp.w2."""
+    if not cfg.moe_layers:
+        return None
+    if m := _ROUTER.match(name):
+        return f"model.layers.{m.group(1)}.mlp.gate.weight", None
+    if m := _EXPERTS_3D.match(name):
+        return f"model.layers.{m.group(1)}.mlp.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}", None
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    layer, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj in ("w2", "down_proj"):
+        return f"model.layers.{layer}.mlp.w2", (expert,)
+    half = 0 if proj in ("w1", "gate_proj") else 1
+    return f"model.layers.{layer}.mlp.w13", (expert, half)
 
 
 def _fused_slot(cfg: ModelConfig, name: str) -> tuple[str, int, int] | None:
@@ -66,7 +97,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
 
     cfg = model.config
     params = dict(model.named_parameters())
-    # Every row of every parameter must be written exactly once; count rows per parameter.
+    # Every element of every parameter must be written exactly once; count them per parameter.
     filled = {name: 0 for name in params}
     for path in safetensors_files(model_dir):
         try:
@@ -78,20 +109,28 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 tensor = f.get_tensor(name)
-                slot = _fused_slot(cfg, name)
-                target_name, start, rows = slot if slot else (name, 0, None)
+                expert = _expert_slot(cfg, name)
+                slot = _fused_slot(cfg, name) if expert is None else None
+                target_name, start, rows = slot if slot else (name if expert is None else expert[0], 0, None)
                 if target_name not in params:
                     raise ModelLoadError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
                 target = params[target_name].data
                 if rows is not None:
                     target = target[start : start + rows]
+                if expert is not None and expert[1] is not None:
+                    if expert[1][0] >= target.shape[0]:
+                        raise ModelLoadError(f"{path.name}: {name!r} names an expert beyond num_experts")
+                    target = target[expert[1][0]]
+                    if len(expert[1]) == 2:  # w13: the gate rows, then the up rows
+                        half = target.shape[0] // 2
+                        target = target[expert[1][1] * half : (expert[1][1] + 1) * half]
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ModelLoadError(
                         f"{path.name}: {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(target.shape)}"
                     )
                 target.copy_(tensor)
-                filled[target_name] += tensor.shape[0]
-    incomplete = [n for n, p in params.items() if filled[n] != p.shape[0]]
+                filled[target_name] += tensor.numel()
+    incomplete = [n for n, p in params.items() if filled[n] != p.numel()]
     if incomplete:
         raise ModelLoadError(f"{model_dir}: checkpoint is missing or duplicates weights for {incomplete[:5]}")
 
@@ -114,8 +153,10 @@ def load_model(
     *,
     dtype: str = "auto",
     device: str | torch.device = "cpu",
+    max_model_len: int | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model from config.json on ``device`` and fill it from the safetensors files."""
+    """Build the model from config.json on ``device`` and fill it from the safetensors files.
+    `max_model_len`: the longest context it will serve (LlamaForCausalLM)."""
     root = Path(model_dir)
     cfg = load_model_config(root)
     dev = torch.device(device)
@@ -123,10 +164,12 @@ def load_model(
     # Parameters are created on the meta device so no time is spent on random init of weights that
     # are overwritten right away.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, max_model_len)
     model = model.to_empty(device=dev).to(torch_dtype)
     # The rotary buffer was left empty on meta; frequencies stay float32 whatever the weights' dtype.
-    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
+    model.rotary.inv_freq = rope_inv_freq(
+        cfg.rotary_dims, cfg.rope_theta, cfg.rope_scaling, long_context=model.long_rope
+    ).to(dev)
     load_weights(model, root)
     if dev.type == "cpu":
         _column_major_linears(model)
@@ -212,17 +255,24 @@ def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     if pack:
         model.packed_logits_weight = pack_weight(logits_weight)
         model.packed_max_rows = max_rows
+    experts = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    expert_bytes = sum(t.numel() * t.element_size() for m in experts for t in (m.w13, m.w2))
+    if experts and dtype == torch.float32 and extra + expert_bytes <= _packed_weights_budget():
+        # Each expert's block of tokens is a narrow batch: packed weights, as for the linears.
+        for block in experts:
+            w13 = [pack_weight(w) for w in block.w13]
+            w2 = [pack_weight(w) for w in block.w2]
+            if all(p is not None for p in w13 + w2):
+                block.packed_w13 = cast(list[torch.Tensor], w13)
+                block.packed_w2 = cast(list[torch.Tensor], w2)
 
 
 def _decoder_linears(model: LlamaForCausalLM) -> Iterator[nn.Linear]:
     layer: Any
     for layer in model.model.layers:
-        yield from (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
+        yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+        if isinstance(layer.mlp, LlamaMLP):
+            yield from (layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _column_major_linears(model: LlamaForCausalLM) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.rules import LORA_ATTENTION_MODULES as ATTENTION_MODULES
 from engine.rules import LORA_TARGET_MODULES as SUPPORTED_MODULES
-from engine.rules import lora_unsupported_options
+from engine.rules import lora_module_dims, lora_unsupported_options, moe_layers
 from inference.services.adapter_files import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -56,19 +56,17 @@ class BaseDims:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts (no LoRA there)
 
     def features(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection."""
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {
-            "q_proj": (self.hidden_size, q_out),
-            "k_proj": (self.hidden_size, kv_out),
-            "v_proj": (self.hidden_size, kv_out),
-            "o_proj": (q_out, self.hidden_size),
-            "gate_proj": (self.hidden_size, self.intermediate_size),
-            "up_proj": (self.hidden_size, self.intermediate_size),
-            "down_proj": (self.intermediate_size, self.hidden_size),
-        }[module]
+        return lora_module_dims(
+            hidden=self.hidden_size,
+            intermediate=self.intermediate_size,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )[module]
 
 
 def base_dims(*, model_path: str, base_name: str) -> BaseDims:
@@ -83,6 +81,7 @@ def base_dims(*, model_path: str, base_name: str) -> BaseDims:
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
+            moe_layers=moe_layers(raw),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         # The reason is the operator's to read (it names the host's paths), not the tenant's.
@@ -196,6 +195,11 @@ def _check_tensors(
             raise AdapterInvalid(
                 f"Tensor `{name}` is for layer {layer}, but the base model `{base_name}` has "
                 f"{dims.num_layers} layers. {_other_base_hint(trained_on)}"
+            )
+        if block == "mlp" and layer in dims.moe_layers:
+            raise AdapterInvalid(
+                f"Tensor `{name}` is for the MLP of layer {layer}, which in the base model `{base_name}` is a "
+                "mixture of experts; adapters here may target its attention projections only."
             )
         in_features, out_features = dims.features(module)
         expected = (spec.rank, in_features) if ab == "A" else (out_features, spec.rank)

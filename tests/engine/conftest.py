@@ -38,6 +38,24 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-4-mini shape: fused qkv and gate_up weights, LongRoPE (short factors) over 3/4 of each head."""
+    return _build(tmp_path_factory, "phi3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mixtral shape: every MLP a mixture of 8 experts, 2 per token, weights renormalised."""
+    return _build(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE shape: q/k norms, a dense first layer (mlp_only_layers), then 8 experts, 2 per token."""
+    return _build(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2 shape: bias on the q/k/v projections."""
     return _build(tmp_path_factory, "qwen2")

@@ -16,7 +16,15 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-ARCH_FIXTURES = ["tiny_llama_dir", "tiny_mistral_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
+ARCH_FIXTURES = [
+    "tiny_llama_dir",
+    "tiny_mistral_dir",
+    "tiny_qwen2_dir",
+    "tiny_qwen3_dir",
+    "tiny_phi3_dir",
+    "tiny_mixtral_dir",
+    "tiny_qwen3moe_dir",
+]
 ATOL = 1e-4  # float32 end to end; observed differences are ~1e-6
 
 _hf_models: dict[tuple[Path, torch.dtype, str], torch.nn.Module] = {}
