@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,7 +44,9 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", default="1,8,64,256", help="token counts per call")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--size", default="bench", help="engine.make_model size of the Mixtral model")
@@ -80,9 +83,11 @@ def main() -> None:
             torch.testing.assert_close(grouped, reference, atol=1e-4, rtol=0)
             row = {
                 "batch": batch,
-                "grouped_ms": round(median_ms(lambda: block.grouped(x, weights, experts), args.repeats), 3),
-                "dense_ms": round(median_ms(lambda: block.dense(x, weights, experts), args.repeats), 3),
-                "transformers_ms": round(median_ms(lambda: hf_experts(x, experts, weights), args.repeats), 3),
+                "grouped_ms": round(median_ms(partial(block.grouped, x, weights, experts), args.repeats), 3),
+                "dense_ms": round(median_ms(partial(block.dense, x, weights, experts), args.repeats), 3),
+                "transformers_ms": round(
+                    median_ms(partial(hf_experts, x, experts, weights), args.repeats), 3
+                ),
             }
         row["vs_dense"] = round(row["dense_ms"] / row["grouped_ms"], 2)
         row["vs_transformers"] = round(row["transformers_ms"] / row["grouped_ms"], 2)

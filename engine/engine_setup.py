@@ -148,6 +148,10 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
     sampler = Sampler(model_config.eos_token_ids)
     num_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
     graph_sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, scheduler_config.max_num_seqs)
+    if model_config.attn_logit_softcap is not None or any(w is not None for w in model_config.layer_windows):
+        # Windowed or soft-capped attention loops over the host's sequence lengths, which a
+        # captured graph would freeze (engine.attention.windowed_attention).
+        graph_sizes = ()
     return EngineSetup(
         model_config,
         tokenizer,

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3")
 
 # The mixture-of-experts shapes: experts per layer, experts per token.
 MOE_EXPERTS, MOE_TOP_K = 8, 2
@@ -197,7 +197,44 @@ def _hf_config(arch: str, size: ModelSize, vocab_size: int, tie: bool, dtype: st
             **extra,
             **common,
         )
+    if arch in ("gemma2", "gemma3"):
+        return _gemma_config(arch, size, common)
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+
+
+def _gemma_config(arch: str, size: ModelSize, common: dict[str, Any]):
+    """Gemma 2 and 3 shapes: a sliding window (half the width in tokens, so that test sequences
+    outrun it) on every other layer (Gemma 2) or on five of six (Gemma 3, with at least one full
+    layer), a query scalar other than head_dim, tied embeddings. Gemma 2's soft caps are far
+    smaller than the released 50 and 30 so that a missing cap changes random-weight logits."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    head_dim = size.hidden_size // size.num_heads
+    layers = size.num_layers
+    shared: dict[str, Any] = dict(
+        common,
+        tie_word_embeddings=True,
+        head_dim=head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=2 * head_dim,
+        sliding_window=size.hidden_size // 2,
+    )
+    if arch == "gemma2":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return Gemma2Config(
+            layer_types=types,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **shared,
+        )
+    types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    types[-1] = "full_attention"
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    }
+    return Gemma3TextConfig(layer_types=types, rope_parameters=rope, **shared)
 
 
 def make_model(
@@ -213,6 +250,8 @@ def make_model(
     """Write a complete model directory (config, safetensors, tokenizer, generation config) to ``out``."""
     import torch
     from transformers import (
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
         GenerationConfig,
         LlamaForCausalLM,
         MistralForCausalLM,
@@ -239,6 +278,8 @@ def make_model(
         "phi3": Phi3ForCausalLM,
         "mixtral": MixtralForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,
+        "gemma2": Gemma2ForCausalLM,
+        "gemma3": Gemma3ForCausalLM,
     }[arch]
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype)).eval()
@@ -249,6 +290,13 @@ def make_model(
             for name, param in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     param.uniform_(0.5, 1.5)
+    if arch in ("gemma2", "gemma3"):
+        # Gemma's norms start at zero (a weight of one); random offsets make a norm read as Llama's
+        # (without the one) or misplaced change the logits.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
     out_path = Path(out)
     out_path.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}

@@ -152,7 +152,12 @@ SERVED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# Gemma 2 and 3 slide a window on some layers only (config.json's layer_types): the context is not
+# capped by it.
+PER_LAYER_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def served_architecture(config: dict[str, Any]) -> str:
@@ -181,13 +186,15 @@ def model_tasks(config: dict[str, Any]) -> tuple[str, ...]:
     """The tasks a checkpoint's config.json allows, its default first: a BERT-family encoder only
     embeds; a decoder the engine serves generates, or embeds when the operator says it is an
     embedding model built on a decoder (pooled from its last token unless its sentence-transformers
-    files say otherwise). ValueError for anything else."""
+    files say otherwise; not Gemma, whose windowed and soft-capped attention the embedding path
+    does not run). ValueError for anything else."""
     archs = config.get("architectures") or []
     if config.get("model_type") == "bert" or (
         isinstance(archs, list) and any(a in ENCODER_ARCHITECTURES for a in archs)
     ):
         return ("embed",)
-    served_architecture(config)
+    if served_architecture(config) in PER_LAYER_WINDOW_ARCHITECTURES:
+        return ("generate",)
     return ("generate", "embed")
 
 
@@ -209,6 +216,8 @@ def sliding_window_in_use(config: dict[str, Any]) -> Any:
     and Qwen3-MoE checkpoints carry a window they use only with use_sliding_window."""
     window = config.get("sliding_window")
     archs = config.get("architectures") or []
+    if any(a in archs for a in PER_LAYER_WINDOW_ARCHITECTURES):
+        return None
     opt_in = config.get("model_type") in ("qwen2", "qwen3", "qwen3_moe") or any(
         a in archs for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     )

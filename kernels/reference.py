@@ -154,3 +154,18 @@ def ref_rope_and_store_kv(
     k = heads[:, num_heads : num_heads + num_kv_heads]
     v = heads[:, num_heads + num_kv_heads :]
     ref_store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def ref_moe_grouped_gemm(
+    x: torch.Tensor,  # (rows, in), sorted by expert
+    w: torch.Tensor,  # (experts, out, in)
+    counts: list[int],  # rows per expert
+) -> torch.Tensor:  # (rows, out), x's dtype
+    """Each expert's block of rows times its weight, one plain matmul per expert in float32."""
+    out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        block = x[start : start + count].float()
+        out[start : start + count] = (block @ w[expert].float().T).to(x.dtype)
+        start += count
+    return out

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, needs_exact_attention, windowed_attention
 from kernels import cpu_paged_decode_attention as cpu_kernel
 from kernels import cpu_paged_prefill_attention as cpu_prefill
 
@@ -241,10 +241,15 @@ class TorchAttentionBackend:
         scale: float,
         *,
         kv_stored: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``kv_stored``: the caller already wrote k and v into the caches (a fused CPU pass)."""
+        """``kv_stored``: the caller already wrote k and v into the caches (a fused CPU pass).
+        ``window`` and ``softcap``: see engine.attention.windowed_attention."""
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if needs_exact_attention(metadata, window, softcap):
+            return windowed_attention(q, k_cache, v_cache, metadata, scale, window, softcap)
         kernel = self._decode_kernel(q, k_cache)
         if kernel and metadata.is_pure_decode:
             return cpu_kernel.paged_decode_attention_cpu(

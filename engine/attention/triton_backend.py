@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, needs_exact_attention, windowed_attention
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
 from kernels.store_kvcache import store_kvcache
@@ -36,9 +36,15 @@ class TritonAttentionBackend:
         scale: float,
         *,
         kv_stored: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         if not kv_stored:
             store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if needs_exact_attention(metadata, window, softcap):
+            # The kernels have neither a window nor a cap: the plain torch form (no CUDA graphs;
+            # engine_setup captures none for such models).
+            return windowed_attention(q, k_cache, v_cache, metadata, scale, window, softcap)
         if metadata.is_pure_decode:
             assert q.shape[0] == metadata.num_seqs, "a decode-only step has one query row per sequence"
             return paged_decode_attention(

@@ -11,6 +11,7 @@ from typing import Any
 from engine.errors import EngineError
 from engine.rules import (
     MOE_ARCHITECTURES,
+    PER_LAYER_WINDOW_ARCHITECTURES,
     SERVED_ARCHITECTURES,
     model_context_length,
     moe_layers,
@@ -60,6 +61,18 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to one
     moe_layers: tuple[int, ...] = ()
+    # Gemma 2/3: the embedding scaled by sqrt(hidden), RMSNorm weights as offsets from one, a norm
+    # after attention and after the MLP too, GELU (tanh) gating, 1/sqrt(query_pre_attn_scalar) as
+    # the attention scale, soft-capped attention scores and logits (Gemma 2), and a sliding window
+    # on some layers (layer_windows: each layer's window, None for full attention), whose rotary
+    # base is local_rope_theta (Gemma 3) where given.
+    gemma: bool = False
+    hidden_act: str = "silu"
+    attention_scale: float | None = None  # None: 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -203,6 +216,68 @@ def _moe(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     }
 
 
+def _gemma(raw: dict[str, Any], arch: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 2/3's ModelConfig fields, and the config to read the (global) rotary embedding from.
+
+    Layers without a layer_types entry follow the families' patterns: Gemma 2 slides on every
+    other layer from the first, Gemma 3 on five of every six (sliding_window_pattern). Gemma 3's
+    rope_parameters may hold one entry per layer type; the sliding layers' is a plain rotation."""
+    layers = _positive(raw, "num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise ModelLoadError(f"layer_types must list one type per layer, got {types!r}")
+    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
+    if unknown:
+        raise UnsupportedModelError(f"layer types {unknown} are not supported")
+    window = raw.get("sliding_window")
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention (an embedding Gemma) is not supported")
+    softcaps = {}
+    for key, name in (
+        ("attn_logit_softcapping", "attn_logit_softcap"),
+        ("final_logit_softcapping", "final_logit_softcap"),
+    ):
+        default = (50.0 if key.startswith("attn") else 30.0) if arch == "Gemma2ForCausalLM" else None
+        value = raw.get(key, default)
+        softcaps[name] = None if value is None else float(value)
+        if value is not None and not float(value) > 0:
+            raise ModelLoadError(f"{key} must be positive, got {value!r}")
+    scalar = float(raw.get("query_pre_attn_scalar", 256))
+    if not scalar > 0:
+        raise ModelLoadError(f"query_pre_attn_scalar must be positive, got {scalar}")
+    rope_raw, local_theta = raw, None
+    params = raw.get("rope_parameters")
+    if arch == "Gemma3ForCausalLM":
+        if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+            local = params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(
+                    "a scaled rotary embedding on the sliding layers is not supported"
+                )
+            local_theta = float(local.get("rope_theta", 10000.0))
+            rope_raw = {
+                **raw,
+                "rope_parameters": {"rope_theta": 1000000.0, **(params.get("full_attention") or {})},
+            }
+        else:
+            local_theta = float(raw.get("rope_local_base_freq", 10000.0))
+            rope_raw = {**raw, "rope_theta": raw.get("rope_theta", 1000000.0)}
+    fields = {
+        "gemma": True,
+        "hidden_act": "gelu_pytorch_tanh",
+        "attention_scale": scalar**-0.5,
+        "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
+        "local_rope_theta": local_theta,
+        **softcaps,
+    }
+    return fields, rope_raw
+
+
 def _positive(raw: dict[str, Any], key: str, default: int | None = None) -> int:
     # null counts as absent: exporters write "head_dim": null for the derived value.
     value = raw.get(key)
@@ -229,13 +304,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         arch = served_architecture(raw)
     except ValueError as exc:
         raise UnsupportedModelError(f"{root}: {exc}") from None
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{root}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    gemma = arch in PER_LAYER_WINDOW_ARCHITECTURES
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise UnsupportedModelError(
+            f"{root}: hidden activation {act!r} is not supported for {arch} "
+            f"(only {'gelu_pytorch_tanh' if gemma else 'silu'})"
+        )
     try:
         hidden, heads = _positive(raw, "hidden_size"), _positive(raw, "num_attention_heads")
         head_dim = _positive(raw, "head_dim", hidden // heads)
         rotary_dim = _rotary_dim(raw, head_dim)
-        theta, scaling = _rope(raw, arch, rotary_dim or head_dim)
+        gemma_fields, rope_raw = _gemma(raw, arch) if gemma else ({}, raw)
+        theta, scaling = _rope(rope_raw, arch, rotary_dim or head_dim)
         window = sliding_window_in_use(raw)
         num_layers = _positive(raw, "num_hidden_layers")
         cfg = ModelConfig(
@@ -251,12 +332,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=_positive(raw, "max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rotary_dim=rotary_dim,
             **_moe(raw, arch),
+            **gemma_fields,
             sliding_window=int(window) if window is not None else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_list(raw.get("eos_token_id")),

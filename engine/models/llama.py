@@ -1,5 +1,5 @@
-"""The Llama decoder family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Phi-3/4, and with a mixture of experts
-Mixtral and Qwen3-MoE) in plain torch over a flattened token batch.
+"""The Llama decoder family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 2/3, and with a mixture
+of experts Mixtral and Qwen3-MoE) in plain torch over a flattened token batch.
 
 One forward covers every token scheduled in a step, from any number of sequences, laid out back to
 back; attention reads and writes the paged KV cache through an AttentionBackend. Projections are
@@ -49,17 +49,20 @@ def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        """`unit_offset` (Gemma): the weight is an offset from one, multiplied in float32 before
+        the cast back."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
         # The fused kernels (kernels.cpu_fused or kernels.gpu_fused), set by LlamaForCausalLM once
         # it knows the device; None: the torch form below.
         self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None) -> torch.Tensor:
         """With ``residual_delta``, the residual stream x is first updated in place (x += delta)."""
-        if self.fused is not None:
+        if self.fused is not None and not self.unit_offset:
             return self.fused.rms_norm(x, self.weight, self.eps, residual_delta)
         if residual_delta is not None:
             x.add_(residual_delta)
@@ -67,6 +70,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -76,17 +81,20 @@ class HeadRMSNorm(RMSNorm):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim**-0.5
         self.rotary_dim = cfg.rotary_dims  # below head_dim: the rest of each head is not rotated
-        self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma) if cfg.qk_norm else None
+        # Gemma: this layer's sliding window (None: full attention) and the scores' soft cap.
+        self.window = cfg.layer_windows[index] if cfg.layer_windows else None
+        self.softcap = cfg.attn_logit_softcap
         # Rotary embedding and the K/V store in one pass of the fused kernels (set by the model).
         self.fused: ModuleType | None = None
 
@@ -110,13 +118,26 @@ class LlamaAttention(nn.Module):
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-            out = backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale, kv_stored=True)
+            out = backend.forward(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                metadata,
+                self.scale,
+                kv_stored=True,
+                window=self.window,
+                softcap=self.softcap,
+            )
             return self.o_proj(out.reshape(-1, self.q_size))
         # q and k rotated together in one pass: (num_tokens, num_heads + num_kv_heads, head_dim)
         qk = self._rotate(qkv, cos, sin_signed)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        out = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def forward_packed(
@@ -192,11 +213,15 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's gate; the fused kernels do SiLU
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused: ModuleType | None = None  # the fused kernels' silu_mul (set by LlamaForCausalLM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.fused is not None:
             return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -208,12 +233,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, index)
         self.mlp: LlamaMLP | SparseMoeBlock = (
             SparseMoeBlock(cfg) if index in cfg.moe_layers else LlamaMLP(cfg)
         )
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
+        self.input_layernorm = RMSNorm(*norm)
+        self.post_attention_layernorm = RMSNorm(*norm)
+        # Gemma: the attention output is normed before the residual, the MLP's input and output too.
+        self.pre_feedforward_layernorm = RMSNorm(*norm) if cfg.gemma else None
+        self.post_feedforward_layernorm = RMSNorm(*norm) if cfg.gemma else None
 
     def forward(self, x, delta, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
         """Adds ``delta`` (the previous layer's MLP output, or None) to the residual stream x in
@@ -221,6 +250,9 @@ class LlamaDecoderLayer(nn.Module):
         update rides along with the norm that reads it. x is this forward's own tensor (the
         embedding output), never a caller's."""
         attn = self.self_attn(self.input_layernorm(x, delta), cos, sin, kv_cache, metadata, backend)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            mlp_in = self.pre_feedforward_layernorm(x, self.post_attention_layernorm(attn))
+            return self.post_feedforward_layernorm(self.mlp(mlp_in))
         return self.mlp(self.post_attention_layernorm(x, attn))
 
     def forward_packed(self, x, delta, cos, sin, lengths: list[int], window: int | None) -> torch.Tensor:
@@ -244,7 +276,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -259,10 +291,23 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.rotary_dims, cfg.rope_theta, cfg.rope_scaling, long_context=self.long_rope
         )
+        # Gemma 3's sliding layers turn by their own (unscaled) base.
+        self.rotary_local = (
+            RotaryEmbedding(cfg.rotary_dims, cfg.local_rope_theta, None)
+            if cfg.local_rope_theta is not None
+            else None
+        )
+        self._local_layers = [
+            self.rotary_local is not None and cast(LlamaDecoderLayer, layer).self_attn.window is not None
+            for layer in self.model.layers
+        ]
+        # Gemma scales the embedding by sqrt(hidden_size), rounded to the weights' dtype.
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        self._rope_table: torch.Tensor | None = None  # (2, num_positions, head_dim): cos, signed sin
+        # (2, num_positions, rotary_dim): cos, signed sin; the global table, then the local one
+        self._rope_tables: list[torch.Tensor | None] = [None, None]
         self._fused_device: torch.device | None = None
         # oneDNN's packed copy of the logits weight for narrow batches, set by the loader on CPU.
         self.packed_logits_weight: torch.Tensor | None = None
@@ -308,13 +353,22 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # (num_tokens, hidden_size), after the final norm
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         self._use_fused(x.device)
-        cos, sin_signed = self._cos_sin(positions, metadata.max_seq_len, x.dtype)
+        tables = [self._cos_sin(positions, metadata.max_seq_len, x.dtype)]
+        if self.rotary_local is not None:
+            tables.append(self._cos_sin(positions, metadata.max_seq_len, x.dtype, local=True))
         delta = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache, local in zip(self.model.layers, kv_caches, self._local_layers, strict=True):
+            cos, sin_signed = tables[1 if local else 0]
             delta = layer(x, delta, cos, sin_signed, kv_cache, metadata, self.backend)
         return self.model.norm(x, delta)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
 
     @torch.inference_mode()
     def encode(self, input_ids: torch.Tensor, lengths: list[int], last_only: bool = False) -> torch.Tensor:
@@ -323,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
         what an embedding model built on this decoder pools (engine.embedding_engine). `last_only`:
         each input's last token's state alone, (inputs, hidden_size); the last layer then computes
         its attention output and MLP for those rows only."""
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         self._use_fused(x.device)
         positions = torch.cat([torch.arange(n, device=x.device) for n in lengths])
         cos, sin_signed = self._cos_sin(positions, max(lengths), x.dtype)
@@ -337,12 +391,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, delta)
 
     def _cos_sin(
-        self, positions: torch.Tensor, max_len: int, dtype: torch.dtype
+        self, positions: torch.Tensor, max_len: int, dtype: torch.dtype, local: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see apply_rope_signed) of each position, (num_tokens, head_dim) each,
         read from a table of every position below the longest context seen so far: one gather per
         step instead of recomputing the angles."""
-        table = self._rope_table
+        table = self._rope_tables[1 if local else 0]
         if (
             table is None
             or table.shape[1] < max_len
@@ -352,10 +406,11 @@ class LlamaForCausalLM(nn.Module):
             # Doubling, so that growing contexts rebuild it a logarithmic number of times. A CUDA
             # graph is captured after a warm-up forward at max_model_len, so it never rebuilds.
             size = max(max_len, 256, 2 * table.shape[1] if table is not None else 0)
-            cos, sin = self.rotary.cos_sin(torch.arange(size, device=positions.device), dtype)
+            rotary = self.rotary_local if local and self.rotary_local is not None else self.rotary
+            cos, sin = rotary.cos_sin(torch.arange(size, device=positions.device), dtype)
             half = sin.shape[-1] // 2
             sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-            table = self._rope_table = torch.stack((cos, sin_signed))
+            table = self._rope_tables[1 if local else 0] = torch.stack((cos, sin_signed))
         cos_sin = table.index_select(1, positions)  # (2, num_tokens, head_dim)
         return cos_sin[0], cos_sin[1]
 
@@ -363,6 +418,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, vocab_size), float32
         packed = self.packed_logits_weight
         if packed is not None and 0 < hidden.shape[0] <= self.packed_max_rows:
-            return packed_linear(hidden, packed, None).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = packed_linear(hidden, packed, None).float()
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits

@@ -170,6 +170,8 @@ def load_model(
     model.rotary.inv_freq = rope_inv_freq(
         cfg.rotary_dims, cfg.rope_theta, cfg.rope_scaling, long_context=model.long_rope
     ).to(dev)
+    if model.rotary_local is not None and cfg.local_rope_theta is not None:
+        model.rotary_local.inv_freq = rope_inv_freq(cfg.rotary_dims, cfg.local_rope_theta, None).to(dev)
     load_weights(model, root)
     if dev.type == "cpu":
         _column_major_linears(model)

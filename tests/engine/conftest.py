@@ -56,6 +56,19 @@ def tiny_qwen3moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 2 shape: a 32-token window on every other layer, soft-capped scores and logits."""
+    return _build(tmp_path_factory, "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 shape: q/k norms, a 32-token window with its own rope base on the first layer, a
+    linearly scaled rope on the full one."""
+    return _build(tmp_path_factory, "gemma3")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2 shape: bias on the q/k/v projections."""
     return _build(tmp_path_factory, "qwen2")

@@ -196,7 +196,7 @@ CONFIG_FAULTS = [
     (lambda c: c.update(vocab_size=-5), "vocab_size must be a positive integer, got -5"),
     (lambda c: c.pop("hidden_size"), "missing or invalid field.*hidden_size"),
     (lambda c: c.update(architectures="LlamaForCausalLM"), "architectures must be a list of names"),
-    (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (lambda c: c.update(hidden_act="gelu"), "hidden activation 'gelu' is not supported for LlamaForCausalLM"),
     (
         lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
         r"quantized checkpoints \(gptq\)",

@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from tests.engine.lora_helpers import lora_engine, make_peft_adapter, prompts, run_to_completion
 from tests.engine.test_lora_parity import SampledLogits
 from tests.engine.test_parity import Recorder
+from tests.kernels.helpers import DEVICES, assert_close
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -169,6 +170,23 @@ def test_the_grouped_experts_equal_the_dense_reference_at_batch_64(arch: str, re
             torch.testing.assert_close(weights.sum(-1), torch.ones(64))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_experts_block_through_the_triton_kernel_equals_its_torch_path(device, tiny_mixtral_dir):
+    model = load_model(tiny_mixtral_dir, TorchAttentionBackend(), device=device)
+    block = model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.inference_mode():
+        weights, experts = route(block.gate(x), block.top_k, block.renormalize)
+        block.use_kernel = True
+        through_kernel = block.grouped(x, weights, experts)
+        block.use_kernel = False
+        torch_path = block.grouped(x, weights, experts)
+    assert_close(through_kernel, torch_path, torch.float32)
+    assert_close(through_kernel, block.dense(x, weights, experts), torch.float32)
+
+
+
 def test_qwen3moe_keeps_dense_mlps_where_the_config_says(tiny_qwen3moe_dir: Path) -> None:
     cfg = load_model_config(tiny_qwen3moe_dir)
     assert cfg.moe_layers == tuple(range(1, cfg.num_layers)) and cfg.qk_norm and cfg.norm_topk_prob
@@ -302,3 +320,66 @@ def test_the_upload_checks_take_phi3_fused_targets_and_refuse_adapted_experts(
         AdapterInvalid, match="layer 1, which in the base model `moe` is a\\s+mixture of experts"
     ):
         adapter_check(adapter_dir=attn, model_path=str(tiny_qwen3moe_dir), base_name="moe", max_rank=16)
+
+
+# --- Gemma 2 / Gemma 3 --------------------------------------------------------------------------------
+
+
+def test_gemma_configs_read_windows_caps_and_rope_bases(tiny_gemma2_dir: Path, tiny_gemma3_dir: Path) -> None:
+    g2, g3 = load_model_config(tiny_gemma2_dir), load_model_config(tiny_gemma3_dir)
+    assert g2.layer_windows == (32, None) and g3.layer_windows == (32, None)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap) == (5.0, 8.0)
+    assert g3.attn_logit_softcap is None and g3.final_logit_softcap is None and g3.qk_norm
+    assert g2.attention_scale == pytest.approx(32**-0.5) and g2.tie_word_embeddings
+    assert g3.local_rope_theta == 10000.0 and g3.rope_theta == 1000000.0
+    assert g3.rope_scaling == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}
+    # The windows are per layer: the context is the model's, not the window.
+    assert g2.sliding_window is None and g2.max_model_len == 2048
+
+
+def test_a_hub_style_gemma3_config_reads_as_transformers_does(tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    """Configs on the hub give sliding_window_pattern, rope_local_base_freq and rope_scaling rather
+    than layer_types and per-type rope_parameters."""
+    raw = json.loads((tiny_gemma3_dir / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        raw.pop(key)
+    raw.update(
+        num_hidden_layers=12,
+        sliding_window_pattern=6,
+        rope_local_base_freq=20000.0,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    )
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = load_model_config(tmp_path)
+    assert [w is None for w in cfg.layer_windows] == [(i + 1) % 6 == 0 for i in range(12)]
+    assert (cfg.local_rope_theta, cfg.rope_theta) == (20000.0, 500000.0)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["factor"] == 4.0
+
+
+def test_an_embedding_gemma_and_an_unknown_activation_are_refused(
+    tiny_gemma2_dir: Path, tmp_path: Path
+) -> None:
+    from engine.models import UnsupportedModelError
+    from engine.rules import model_tasks
+
+    raw = json.loads((tiny_gemma2_dir / "config.json").read_text())
+    assert model_tasks(raw) == ("generate",)
+    bidirectional = _edit_config(tiny_gemma2_dir, tmp_path / "bi", use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        load_model_config(bidirectional)
+    relu = _edit_config(tiny_gemma2_dir, tmp_path / "relu", hidden_activation="relu", hidden_act="relu")
+    with pytest.raises(UnsupportedModelError, match="'relu' is not supported for Gemma2ForCausalLM"):
+        load_model_config(relu)
+
+
+@pytest.mark.parametrize("arch", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
+def test_gemma_through_the_triton_kernels_backend_matches_transformers(arch: str, request) -> None:
+    """The Triton backend (here under its interpreter) hands windowed and soft-capped layers to the
+    same exact attention; the full layers take its kernels."""
+    model_dir = request.getfixturevalue(arch)
+    llm = LLM(str(model_dir), num_blocks=32, attention_backend="triton", max_num_batched_tokens=24)
+    rec = Recorder(llm)
+    outs = llm.generate(prompts([40, 9], seed=21), _greedy(4))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    rec.check_against(model_dir)

@@ -24,6 +24,8 @@ ARCH_FIXTURES = [
     "tiny_phi3_dir",
     "tiny_mixtral_dir",
     "tiny_qwen3moe_dir",
+    "tiny_gemma2_dir",
+    "tiny_gemma3_dir",
 ]
 ATOL = 1e-4  # float32 end to end; observed differences are ~1e-6
 
