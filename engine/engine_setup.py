@@ -136,6 +136,18 @@ def graph_batch_sizes(configured: tuple[int, ...], max_num_seqs: int) -> tuple[i
     return tuple(sorted(sizes | {max_num_seqs}))
 
 
+def graph_capturable(model_config: ModelConfig) -> bool:
+    """Whether a model's decode step can be captured as a CUDA graph. Not Gemma's windowed or
+    soft-capped attention, which loops over the host's sequence lengths, nor a mixture of experts,
+    grouped by counts read back to the host: a captured graph would freeze both
+    (engine.attention.windowed_attention, engine.models.moe)."""
+    return not (
+        model_config.attn_logit_softcap is not None
+        or any(w is not None for w in model_config.layer_windows)
+        or model_config.moe_layers
+    )
+
+
 def build_engine_setup(config: EngineConfig) -> EngineSetup:
     model_config = load_model_config(config.model)  # refuses bad directories before any heavy work
     tokenizer = load_tokenizer(config.model)
@@ -148,9 +160,7 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
     sampler = Sampler(model_config.eos_token_ids)
     num_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
     graph_sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, scheduler_config.max_num_seqs)
-    if model_config.attn_logit_softcap is not None or any(w is not None for w in model_config.layer_windows):
-        # Windowed or soft-capped attention loops over the host's sequence lengths, which a
-        # captured graph would freeze (engine.attention.windowed_attention).
+    if not graph_capturable(model_config):
         graph_sizes = ()
     return EngineSetup(
         model_config,

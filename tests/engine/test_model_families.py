@@ -186,7 +186,6 @@ def test_the_experts_block_through_the_triton_kernel_equals_its_torch_path(devic
     assert_close(through_kernel, block.dense(x, weights, experts), torch.float32)
 
 
-
 def test_qwen3moe_keeps_dense_mlps_where_the_config_says(tiny_qwen3moe_dir: Path) -> None:
     cfg = load_model_config(tiny_qwen3moe_dir)
     assert cfg.moe_layers == tuple(range(1, cfg.num_layers)) and cfg.qk_norm and cfg.norm_topk_prob
@@ -383,3 +382,13 @@ def test_gemma_through_the_triton_kernels_backend_matches_transformers(arch: str
     outs = llm.generate(prompts([40, 9], seed=21), _greedy(4))
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     rec.check_against(model_dir)
+
+
+def test_no_cuda_graphs_are_captured_for_gemma_or_experts(
+    tiny_llama_dir: Path, tiny_gemma3_dir: Path, tiny_mixtral_dir: Path
+) -> None:
+    from engine.engine_setup import graph_capturable
+
+    assert graph_capturable(load_model_config(tiny_llama_dir))
+    assert not graph_capturable(load_model_config(tiny_gemma3_dir))
+    assert not graph_capturable(load_model_config(tiny_mixtral_dir))
