@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -147,3 +148,75 @@ def held_prefix(text: str, tag: str) -> int:
         if tag.startswith(text[-size:]):
             return size
     return 0
+
+
+# The calls at the start of the text after a marker and the text after them, or None.
+CallReader = Callable[[str], tuple[list[tuple[str, str]], str] | None]
+
+
+class MarkerStream:
+    """Calls that follow a marker (Mistral's `[TOOL_CALLS]`, Phi-4-mini's `functools[`), with
+    content before it. After each marker, `read` finds the calls at the start of the text and
+    returns them with the text after them, which is content again; or None while (or when) that
+    text is no call. A marker whose text is no call by the next marker or the end stays content
+    with it, as a hermes tag that is no call does."""
+
+    def __init__(self, marker: str, read: CallReader) -> None:
+        self._marker = marker
+        self._read = read
+        self._content = Trimmed()
+        self._buffer = ""  # before a marker: a held suffix that may begin one; after: the text since
+        self._inside = False
+        self._searched = 0  # the text after the marker before this holds no further marker
+        self._num_calls = 0
+
+    @property
+    def called(self) -> bool:
+        return self._num_calls > 0
+
+    def feed(self, text: str) -> list[Delta]:
+        out: list[Delta] = []
+        self._buffer += text
+        while True:
+            if self._inside:
+                end = self._buffer.find(self._marker, self._searched)
+                if end >= 0:
+                    out += self._resolve(self._buffer[:end])
+                    self._buffer = self._buffer[end + len(self._marker) :]
+                    self._searched = 0
+                    continue
+                self._searched = max(0, len(self._buffer) - len(self._marker) + 1)
+                # Calls end in a closing bracket: read again only when one came, not on every piece
+                # (a call that ends otherwise is read at the next marker or the end, the same calls).
+                read = self._read(self._buffer) if "}" in text or "]" in text else None
+                if read is None:
+                    return out
+                out += self._calls(read[0])
+                self._buffer, self._inside = read[1], False
+            else:
+                start = self._buffer.find(self._marker)
+                if start < 0:
+                    keep = held_prefix(self._buffer, self._marker)
+                    out += self._content(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    return out
+                out += self._content(self._buffer[:start])
+                self._buffer = self._buffer[start + len(self._marker) :]
+                self._inside, self._searched = True, 0
+
+    def finish(self) -> list[Delta]:
+        out = self._resolve(self._buffer) if self._inside else self._content(self._buffer)
+        self._buffer, self._inside = "", False
+        return out
+
+    def _resolve(self, body: str) -> list[Delta]:
+        """The text from a marker to the next marker or the end: calls then content, or content."""
+        read = self._read(body)
+        if read is None:
+            return self._content(self._marker + body)
+        return self._calls(read[0]) + self._content(read[1])
+
+    def _calls(self, calls: list[tuple[str, str]]) -> list[Delta]:
+        first = self._num_calls
+        self._num_calls += len(calls)
+        return [ToolCallDelta(first + i, new_call_id(), name, args) for i, (name, args) in enumerate(calls)]

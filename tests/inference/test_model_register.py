@@ -277,14 +277,14 @@ def test_the_platforms_failover_bound_reaches_the_engine_unless_the_deployment_s
 
 
 def test_an_architecture_the_engine_does_not_implement_is_refused_naming_the_served_ones(tmp_path):
-    path = tmp_path / "gemma"
+    path = tmp_path / "falcon"
     path.mkdir()
     (path / "config.json").write_text(
-        json.dumps({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3"})
+        json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"})
     )
     with pytest.raises(CommandError) as refused:
-        call_command("model_register", "--name", "gemma", "--path", str(path))
-    assert "architecture ['Gemma3ForCausalLM'] is not supported (supported: LlamaForCausalLM, " in str(
+        call_command("model_register", "--name", "falcon", "--path", str(path))
+    assert "architecture ['FalconForCausalLM'] is not supported (supported: LlamaForCausalLM, " in str(
         refused.value
     )
     from engine.rules import SERVED_ARCHITECTURES
@@ -318,6 +318,27 @@ def test_the_parsers_are_set_kept_when_not_given_and_turned_off_with_none(tmp_pa
     )
     deployment.refresh_from_db()
     assert (deployment.tool_call_parser, deployment.reasoning_parser) == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("arch", "parser"), [("MixtralForCausalLM", "mistral"), ("Phi3ForCausalLM", "phi4_mini_json")]
+)
+def test_mistral_and_phi4_mini_models_are_registered_with_their_tool_call_parsers(tmp_path, arch, parser):
+    path = model_dir(tmp_path / "m", architectures=[arch])
+
+    output = register("--name", "m", "--path", str(path), "--tool-call-parser", parser)
+
+    assert ModelDeployment.objects.get(name="m").tool_call_parser == parser
+    assert f"tool call parser {parser}, " in output
+
+
+def test_an_unknown_tool_call_parser_is_refused_naming_the_known_ones(tmp_path):
+    path = model_dir(tmp_path / "m")
+    with pytest.raises(
+        CommandError, match="invalid choice: 'pythonic'.*hermes.*llama3_json.*mistral.*phi4_mini_json.*none"
+    ):
+        register("--name", "m", "--path", str(path), "--tool-call-parser", "pythonic")
+    assert not ModelDeployment.objects.exists()
 
 
 def test_an_unknown_parser_is_refused_naming_the_known_ones(tmp_path):

@@ -1,14 +1,18 @@
-"""Tool calls out of generated text (inference/api/tool_calls.py): the model formats, whole and
-streamed in any chunking, and the forced tool choice streams with their schemas."""
+"""Tool calls out of generated text (inference/tool_parsers/): the model formats, whole and
+streamed in any chunking, the forced tool choice streams with their schemas, and the parsers a
+deployment names reading a chat completion's output."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 
 import jsonschema
 import pytest
+from asgiref.sync import sync_to_async
 
+from engine.protocol import DeltaOutput, Event, FinishedOutput, Usage
 from inference.tool_parsers import (
     ContentDelta,
     NamedToolStream,
@@ -21,6 +25,7 @@ from inference.tool_parsers import (
     parse_required,
     required_tools_schema,
 )
+from tests.helpers import api_post
 
 ID = re.compile(r"call_[A-Za-z0-9]{24}")
 
@@ -265,6 +270,181 @@ def test_llama3_stream_buffers_json_and_a_python_tag_prefix_until_the_end():
     assert stream.called is True
 
 
+# mistral
+
+MISTRAL_ARRAY = (
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "arguments": {"zone": "CET", "24h": true}}]'
+)
+MISTRAL_V11 = (
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET", "24h": true}'
+)
+BOTH_CALLS = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET", "24h": true}')]
+
+
+def test_mistral_text_without_the_marker_is_all_content():
+    text = "  A [list], {braces} and TOOL_CALLS [TOOL_CALL].\n"
+
+    assert get_parser("mistral").parse(text) == (text, [])
+
+
+def test_mistral_json_array_after_the_marker_is_the_calls_and_the_text_before_is_content():
+    content, calls = get_parser("mistral").parse(f"Let me check.\n{MISTRAL_ARRAY}")
+
+    assert content == "Let me check."
+    assert named(calls) == BOTH_CALLS
+    assert calls[0].id != calls[1].id
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        MISTRAL_V11,
+        MISTRAL_V11.replace("[ARGS]", ""),
+        '[TOOL_CALLS] get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}\n'
+        '[TOOL_CALLS]get_time [ARGS] {"zone": "CET", "24h": true}',
+    ],
+    ids=["args-token", "no-args-token", "call-id-and-spaces"],
+)
+def test_mistral_v11_calls_are_a_name_and_arguments_after_each_marker(text):
+    content, calls = get_parser("mistral").parse(text)
+
+    assert content is None
+    assert named(calls) == BOTH_CALLS
+
+
+def test_mistral_text_after_the_calls_stays_content():
+    content, calls = get_parser("mistral").parse(f"{MISTRAL_ARRAY}\nextra trailing data")
+
+    assert content == "extra trailing data"
+    assert named(calls) == BOTH_CALLS
+
+
+def test_mistral_one_object_missing_or_string_arguments_are_read_as_hermes_reads_them():
+    parser = get_parser("mistral")
+
+    assert named(parser.parse('[TOOL_CALLS] {"name": "now"}')[1]) == [("now", "{}")]
+    assert named(parser.parse('[TOOL_CALLS]w{"city": "Zürich"}')[1]) == [("w", '{"city": "Zürich"}')]
+    assert named(parser.parse('[TOOL_CALLS][{"name": "w", "arguments": "{\\"x\\": 1}"}]')[1]) == [
+        ("w", '{"x": 1}')
+    ]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[TOOL_CALLS]",
+        "[TOOL_CALLS] not json at all",
+        "[TOOL_CALLS] []",
+        '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}',
+        '[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"arguments": {}}]',
+        '[TOOL_CALLS] [{"name": "f", "arguments": [1]}]',
+        '[TOOL_CALLS] ["f"]',
+        '[TOOL_CALLS]f[ARGS]{"x": NaN}',
+        '[TOOL_CALLS]f[ARGS]"not an object"',
+        '[TOOL_CALLS]two words{"x": 1}',
+        '[TOOL_CALLS]f[ARGS]{"x": ',
+    ],
+)
+def test_mistral_marker_with_no_call_after_it_stays_content(body):
+    text = f"Before {body}"
+
+    assert get_parser("mistral").parse(text) == (text, [])
+
+
+def test_mistral_marker_with_no_call_beside_a_valid_call_stays_in_the_content():
+    content, calls = get_parser("mistral").parse(
+        '[TOOL_CALLS]f{oops}[TOOL_CALLS]get_weather{"city": "Paris"}'
+    )
+
+    assert content == "[TOOL_CALLS]f{oops}"
+    assert named(calls) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_mistral_stream_holds_a_possible_marker_start_until_it_is_resolved():
+    stream = get_parser("mistral").stream()
+
+    assert stream.feed("x [TOOL_") == [ContentDelta("x")]
+    assert stream.feed("CALLER] y") == [ContentDelta(" [TOOL_CALLER] y")]
+    assert stream.finish() == []
+    assert stream.called is False
+
+
+def test_mistral_stream_emits_each_call_when_its_arguments_close():
+    stream = get_parser("mistral").stream()
+
+    assert stream.feed("Checking.[TOOL_") == [ContentDelta("Checking.")]
+    assert stream.feed('CALLS]get_weather[ARGS]{"city": "Pa') == []
+    [delta] = stream.feed('ris"}[TOOL')
+    assert (delta.index, delta.name, delta.arguments) == (0, "get_weather", '{"city": "Paris"}')
+    assert ID.fullmatch(delta.id)
+    assert stream.called is True
+    [delta] = stream.feed('_CALLS]get_time{"zone": "CET"}')
+    assert (delta.index, delta.name, delta.arguments) == (1, "get_time", '{"zone": "CET"}')
+    assert stream.finish() == []
+
+
+def test_mistral_stream_sends_the_text_after_an_array_as_it_comes():
+    stream = get_parser("mistral").stream()
+
+    assert stream.feed('[TOOL_CALLS] [{"name": "f", "arguments": {"s": "]"}}') == []
+    [delta] = stream.feed("]")
+    assert (delta.index, delta.name, delta.arguments) == (0, "f", '{"s": "]"}')
+    assert stream.feed("\nDone") == [ContentDelta("Done")]
+    assert stream.finish() == []
+
+
+# phi4_mini_json
+
+PHI4 = (
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "parameters": {"zone": "CET", "24h": true}}]'
+)
+
+
+def test_phi4_mini_calls_follow_functools_and_the_text_before_is_content():
+    content, calls = get_parser("phi4_mini_json").parse(f"Let me check. {PHI4}")
+
+    assert content == "Let me check."
+    assert named(calls) == BOTH_CALLS
+
+
+def test_phi4_mini_calls_alone_have_no_content():
+    content, calls = get_parser("phi4_mini_json").parse(PHI4)
+
+    assert content is None
+    assert named(calls) == BOTH_CALLS
+
+
+def test_phi4_mini_functools_as_a_word_is_content_held_only_while_it_may_be_the_marker():
+    stream = get_parser("phi4_mini_json").stream()
+
+    assert stream.feed("Use functools") == [ContentDelta("Use")]
+    assert stream.feed(".partial(f) or functools [x].") == [
+        ContentDelta(" functools.partial(f) or functools [x].")
+    ]
+    assert stream.finish() == []
+    assert stream.called is False
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "functools[",
+        "functools[oops]",
+        "functools[]",
+        'functools[{"name": "f", "arguments": {}}',
+        'functools[{"arguments": {}}]',
+        'functools[{"name": "f", "arguments": "x"}]',
+        'functools[{"name": "f", "arguments": {}}, 3]',
+    ],
+)
+def test_phi4_mini_functools_with_no_calls_after_it_stays_content(body):
+    text = f"Before {body} after"
+
+    assert get_parser("phi4_mini_json").parse(text) == (text, [])
+
+
 # streaming and non-streaming agree over any chunking
 
 HERMES_TEXTS = [
@@ -285,8 +465,32 @@ LLAMA3_TEXTS = [
     "<|python",
     "   ",
 ]
-CASES = [pytest.param("hermes", text, id=f"hermes-{i}") for i, text in enumerate(HERMES_TEXTS)] + [
-    pytest.param("llama3_json", text, id=f"llama3_json-{i}") for i, text in enumerate(LLAMA3_TEXTS)
+MISTRAL_TEXTS = [
+    "Plain text with [brackets], {braces} and [TOOL_CALL in it.",
+    f"  Let me check.\n{MISTRAL_ARRAY}\n",
+    f"Let me check.{MISTRAL_V11}",
+    MISTRAL_V11.replace("[ARGS]", "") + " done",
+    '[TOOL_CALLS]f{oops}[TOOL_CALLS]w{"city": "Zürich"}[TOOL_CALLS',
+    '[TOOL_CALLS] [{"name": "f", "arguments": {"s": "a]}"}}] and [TOOL_CALLS]g{"x": [1, {"y": 2}]}',
+    "Hi [TOOL_CALLS] nothing",
+    '[TOOL_CALLS]get_weather{"city": "Pa',
+]
+PHI4_TEXTS = [
+    "Use functools.partial, or functools [sic].",
+    f"  Let me check.\n{PHI4}\n",
+    f"{PHI4}\nfunctools[oops] end",
+    'functools[{"name": "f", "arguments": {"s": "]"}}',
+]
+CORPORA = {
+    "hermes": HERMES_TEXTS,
+    "llama3_json": LLAMA3_TEXTS,
+    "mistral": MISTRAL_TEXTS,
+    "phi4_mini_json": PHI4_TEXTS,
+}
+CASES = [
+    pytest.param(name, text, id=f"{name}-{i}")
+    for name, texts in CORPORA.items()
+    for i, text in enumerate(texts)
 ]
 
 
@@ -323,6 +527,22 @@ def test_hermes_corpus_covers_calls_and_content():
 
     assert [len(calls) for _, calls in parsed] == [0, 1, 2, 1, 1, 2, 1, 0]
     assert parsed[4][0] == "<<tool_call>x</tool_call><tool_call"
+
+
+def test_mistral_and_phi4_mini_corpora_cover_calls_and_content():
+    mistral = [get_parser("mistral").parse(text) for text in MISTRAL_TEXTS]
+    phi4 = [get_parser("phi4_mini_json").parse(text) for text in PHI4_TEXTS]
+
+    assert [len(calls) for _, calls in mistral] == [0, 2, 2, 2, 1, 2, 0, 0]
+    assert [content for content, _ in mistral[1:6]] == [
+        "Let me check.",
+        "Let me check.",
+        "done",
+        "[TOOL_CALLS]f{oops}[TOOL_CALLS",
+        "and",
+    ]
+    assert [len(calls) for _, calls in phi4] == [0, 2, 2, 0]
+    assert phi4[2][0] == "functools[oops] end"
 
 
 # forced tool choice
@@ -444,9 +664,11 @@ def test_required_stream_in_any_chunking_matches_parse_required():
 
 def test_get_parser_with_an_unknown_name_names_the_known_parsers():
     with pytest.raises(ValueError) as raised:
-        get_parser("mistral")
+        get_parser("pythonic")
 
-    assert str(raised.value) == "unknown tool call parser 'mistral'; known parsers: hermes, llama3_json"
+    assert str(raised.value) == (
+        "unknown tool call parser 'pythonic'; known parsers: hermes, llama3_json, mistral, phi4_mini_json"
+    )
 
 
 def test_the_parsers_a_deployment_may_name_are_the_registrys():
@@ -458,3 +680,77 @@ def test_the_parsers_a_deployment_may_name_are_the_registrys():
     assert field.default == DEFAULT_PARSER
     for name in PARSERS:
         assert get_parser(name).parse("plain text") == ("plain text", [])
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", ["mistral", "phi4_mini_json"])
+def test_a_deployment_may_name_the_mistral_and_phi4_mini_parsers_as_the_admin_offers_them(name):
+    from django.core.exceptions import ValidationError
+
+    from inference.admin import ModelDeploymentForm
+    from inference.models import ModelDeployment
+    from inference.tool_parsers import PARSERS
+
+    field = ModelDeployment._meta.get_field("tool_call_parser")
+    deployment = ModelDeployment.objects.create(
+        name="m", model_path="/models/m", max_model_len=256, tool_call_parser=name
+    )
+
+    assert field.clean(name, deployment) == name
+    assert ModelDeployment.objects.get(name="m").tool_call_parser == name
+    assert (name, PARSERS[name][1]) in ModelDeploymentForm().fields["tool_call_parser"].choices
+    with pytest.raises(ValidationError):
+        field.clean("pythonic", deployment)
+
+
+@pytest.mark.django_db(transaction=True)
+# Room for the tools, which the tiny model's template (one that knows none) gets described in text.
+@pytest.mark.world(deployment={"max_model_len": 1024})
+@pytest.mark.parametrize(
+    ("parser_name", "output", "keeps_special_tokens"),
+    [
+        ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', True),
+        (
+            "phi4_mini_json",
+            'Checking. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+            False,
+        ),
+    ],
+)
+async def test_a_deployments_parser_reads_the_calls_of_a_chat_completion(
+    world, parser_name, output, keeps_special_tokens
+):
+    world.deployment.tool_call_parser = parser_name
+    await sync_to_async(world.deployment.save)()
+    await world.faults.heartbeat()
+
+    async def answer():
+        request = await world.faults.next_request()
+        await world.faults.emit(request.request_id, Event.delta([DeltaOutput(0, output, [5, 6, 7])]))
+        usage = Usage(len(request.prompt_token_ids), 3)
+        await world.faults.emit(request.request_id, Event.finished([FinishedOutput(0, "stop")], usage))
+        return request
+
+    answering = asyncio.create_task(answer())
+    response = await api_post(
+        world,
+        "/v1/chat/completions",
+        {
+            "model": world.model,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER_TOOL],
+            "tool_choice": "auto",
+            "max_tokens": 8,
+        },
+    )
+    assert response.status_code == 200, response.content
+    request = await answering
+
+    # [TOOL_CALLS] is a special token: the engine's detokenizer drops it unless told to keep them.
+    assert request.sampling_params.get("skip_special_tokens") is (False if keeps_special_tokens else None)
+    [choice] = response.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    [call] = choice["message"]["tool_calls"]
+    assert ID.fullmatch(call["id"])
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("get_weather", '{"city": "Paris"}')

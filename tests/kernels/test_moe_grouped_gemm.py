@@ -41,4 +41,3 @@ def test_bad_shapes_and_counts_are_refused():
     with pytest.raises(TypeError, match="share a dtype"):
         moe_grouped_gemm(x, w.to(torch.bfloat16), [4, 0, 0, 0, 0, 0])
     assert moe_grouped_gemm(x[:0], w, [0] * EXPERTS).shape == (0, OUT)
-

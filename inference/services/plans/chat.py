@@ -14,7 +14,7 @@ from inference.services.plans.base import (
     sampling_params_for,
     served_model_resolve,
 )
-from inference.tool_parsers import named_tool_schema, required_tools_schema
+from inference.tool_parsers import KEEPS_SPECIAL_TOKENS, named_tool_schema, required_tools_schema
 from tenants.types import AuthContext
 
 
@@ -51,23 +51,27 @@ def chat_plan_create(*, auth: AuthContext, data: dict[str, Any], request_id: str
     n = common["n"]
     logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
     prompt_logprobs = data.get("prompt_logprobs")
+    sampling_params = sampling_params_for(
+        data,
+        n=n,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        model_path=deployment.model_path,
+        structured=structured,
+        structured_param="tools"
+        if tool_fields.get("tool_mode") in ("named", "required")
+        else ("response_format" if data.get("response_format") else "structured_outputs"),
+    )
+    if tool_fields.get("tool_parser") in KEEPS_SPECIAL_TOKENS:
+        # Its calls begin with a special token ([TOOL_CALLS]) that the detokenizer would drop.
+        sampling_params["skip_special_tokens"] = False
     return GenerationPlan(
         kind="chat",
         **common,
         prompts=[prompt],
         max_tokens=max_tokens,
-        sampling_params=sampling_params_for(
-            data,
-            n=n,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            model_path=deployment.model_path,
-            structured=structured,
-            structured_param="tools"
-            if tool_fields.get("tool_mode") in ("named", "required")
-            else ("response_format" if data.get("response_format") else "structured_outputs"),
-        ),
+        sampling_params=sampling_params,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         # A call forced by a grammar is JSON from its first token: nothing to think in.
