@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "import-gguf",
         help="convert a GGUF file (llama.cpp, Ollama) into a model directory",
         description="Write config.json, safetensors weights, tokenizer files and chat template from one GGUF "
-        "file of the llama, mistral or qwen2 family; quantized weights are dequantized.",
+        "file (architectures llama, Mixtral included, mistral, qwen2, qwen3, qwen3moe and phi3); quantized "
+        "weights are dequantized.",
     )
     gg.add_argument("gguf_file", metavar="FILE.gguf")
     gg.add_argument("--out", required=True, help="model directory to write")

@@ -102,7 +102,9 @@ def moe_grouped_gemm(
     if w.dtype != x.dtype:
         raise TypeError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     if len(counts) != w.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
-        raise ValueError(f"counts must give the rows of each of the {w.shape[0]} experts, {x.shape[0]} in all")
+        raise ValueError(
+            f"counts must give the rows of each of the {w.shape[0]} experts, {x.shape[0]} in all"
+        )
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     rows, k = x.shape

@@ -3,47 +3,47 @@
 GGUF (llama.cpp's format, also what Ollama stores) keeps the hyper-parameters as typed key/value
 fields named `<architecture>.<key>`, the tokenizer under `tokenizer.ggml.*` and the chat template
 under `tokenizer.chat_template`. The engine serves the Llama decoder layout; GGUF names its
-checkpoints `llama` (Llama 1-3, and Mistral as llama.cpp converts it), `mistral`, `qwen2` and
-`qwen3` (whose per-head q and k norms are the tensors `attn_q_norm` and `attn_k_norm`).
+checkpoints `llama` (Llama 1-3, Mistral as llama.cpp converts it, and Mixtral: a `llama` file with
+an expert count), `mistral`, `qwen2`, `qwen3` (whose per-head q and k norms are the tensors
+`attn_q_norm` and `attn_k_norm`), `qwen3moe` (Qwen3 with a mixture of experts), `phi3` (Phi-3 and
+Phi-4-mini: fused projections, a partial rotary embedding and LongRoPE), and `gemma2` and `gemma3`
+(text only: sliding-window layers, soft caps and the fields llama.cpp assumes rather than stores,
+engine.gguf.gemma).
 """
 
 from __future__ import annotations
 
-import math
+import re
 from typing import Any
 
 import numpy as np
 
-from engine.errors import EngineError
+from engine.gguf.fields import GGUFImportError, field_value, int_field
+from engine.gguf.gemma import GEMMA_ARCHITECTURES, gemma_fields
+from engine.gguf.rope import partial_rotary_factor, rope_scaling
 
-# GGUF architecture name -> (Hugging Face architecture, model_type, Q/K rows permuted by llama.cpp).
-# llama.cpp's converter reorders the rows of q_proj and k_proj of Llama-layout models for its
-# interleaved rotary embedding; Qwen2 and Qwen3 keep the Hugging Face (neox) order.
-ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
+# The GGUF architectures this importer reads.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+# Model family (a GGUF architecture, or mixtral: a llama file with experts) -> (Hugging Face
+# architecture, model_type, Q/K rows permuted by llama.cpp). llama.cpp's converter reorders the rows
+# of q_proj and k_proj of Llama-layout models for its interleaved rotary embedding; the others keep
+# the Hugging Face (neox) order.
+FAMILIES: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "mistral": ("MistralForCausalLM", "mistral", True),
+    "mixtral": ("MixtralForCausalLM", "mixtral", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
-
-
-class GGUFImportError(EngineError):
-    """The GGUF file cannot be imported: unreadable, or a model or encoding the engine does not serve."""
-
-
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    if isinstance(value, float):
-        # GGUF stores float32; 9.999999747e-06 is the 1e-05 the model was trained with.
-        value = float(np.float32(value).item())
-        value = float(f"{value:.7g}")
-    return value
+_ROUTER = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 
 
 def architecture(reader: Any) -> str:
+    """The file's GGUF architecture, the prefix of its model fields."""
     arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFImportError(
@@ -52,108 +52,115 @@ def architecture(reader: Any) -> str:
     return arch
 
 
-def _int(reader: Any, key: str, default: int | None = None) -> int:
-    value = field_value(reader, key, default)
-    if isinstance(value, list):
-        # Some files give a per-layer list (head counts); the engine needs one value for all layers.
-        if len(set(value)) != 1:
-            raise GGUFImportError(f"{key} differs between layers ({sorted(set(value))}); not supported")
-        value = value[0]
-    if value is None:
-        raise GGUFImportError(f"the GGUF file has no {key} field")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise GGUFImportError(f"{key} must be a positive integer, got {value!r}")
-    return value
+def family(reader: Any) -> str:
+    """The key of FAMILIES: the architecture, except that llama.cpp converts Mixtral as `llama`
+    and tells it apart only by its expert count."""
+    arch = architecture(reader)
+    if arch == "llama" and field_value(reader, "llama.expert_count", 0) > 0:
+        return "mixtral"
+    return arch
 
 
-def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, float]) -> np.ndarray:
-    """llama.cpp's `rope_freqs` tensor for Llama 3.1 rope scaling: the divisor of each frequency."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = original / low, original / high
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < high_wavelen:
-            out.append(1.0)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
+def _experts(reader: Any, arch: str, fam: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of config.json; {} for a dense model. llama.cpp's qwen3moe
+    always renormalises the chosen experts' weights (expert_weights_norm, where a file states it,
+    says otherwise); its Mixtral does as Mixtral does. A qwen3moe layer with an MLP in place of the
+    router is one of Qwen3-MoE's mlp_only_layers."""
+    if fam not in ("mixtral", "qwen3moe"):
+        return {}
+    count = int_field(reader, f"{arch}.expert_count")
+    used = int_field(reader, f"{arch}.expert_used_count")
+    if fam == "mixtral":
+        return {"num_local_experts": count, "num_experts_per_tok": used}
+    routed = {int(m.group(1)) for t in reader.tensors if (m := _ROUTER.match(t.name))}
+    return {
+        "num_experts": count,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int_field(reader, f"{arch}.expert_feed_forward_length"),
+        "norm_topk_prob": bool(field_value(reader, f"{arch}.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(int_field(reader, f"{arch}.block_count")) if i not in routed],
+    }
 
 
-def _llama3_candidates(context_length: int) -> list[dict[str, float]]:
-    """Llama 3.1 (factor 8) and 3.2 (factor 32) as released, and models scaled the same way: a GGUF
-    stores only the resulting per-frequency factors, so the parameters are found by recomputing them."""
-    out = []
-    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
-        for original in dict.fromkeys((8192, int(context_length // factor))):
-            out.append(
-                {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": original}
-            )  # fmt: skip
+def _phi3(reader: Any, arch: str) -> dict[str, Any]:
+    """Phi-3's own fields: the pre-training context (LongRoPE's switch from short to long factors)
+    and the sliding window, which llama.cpp's converter writes as 0 where the model has none."""
+    out: dict[str, Any] = {"sliding_window": field_value(reader, f"{arch}.attention.sliding_window") or None}
+    original = f"{arch}.rope.scaling.original_context_length"
+    if original in reader.fields:
+        out["original_max_position_embeddings"] = int_field(reader, original)
     return out
 
 
-def _rope_scaling(reader: Any, arch: str, head_dim: int, theta: float, rope_freqs: np.ndarray | None):
-    kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
-    if rope_freqs is not None:
-        for candidate in _llama3_candidates(_int(reader, f"{arch}.context_length", 8192)):
-            expected = llama3_rope_factors(head_dim, theta, candidate)
-            if expected.shape == rope_freqs.shape and np.allclose(expected, rope_freqs, rtol=1e-4):
-                return {"rope_type": "llama3", **candidate}
-        raise GGUFImportError("the GGUF's rope_freqs tensor matches no Llama 3 rope scaling the engine knows")
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(field_value(reader, f"{arch}.rope.scaling.factor"))}
-    raise GGUFImportError(f"rope scaling {kind!r} is not supported (supported: none, linear, llama3)")
-
-
-def hf_config(reader: Any, *, dtype: str, vocab_size: int, tied: bool, rope_freqs: np.ndarray | None) -> dict:
-    """config.json for the engine's loader and for transformers, from the GGUF's metadata."""
-    arch = architecture(reader)
-    hf_arch, model_type, _ = ARCHITECTURES[arch]
-    hidden = _int(reader, f"{arch}.embedding_length")
-    heads = _int(reader, f"{arch}.attention.head_count")
-    head_dim = _int(reader, f"{arch}.attention.key_length", hidden // heads)
+def hf_config(
+    reader: Any, *, dtype: str, vocab_size: int, tied: bool, rope_tensors: dict[str, np.ndarray]
+) -> dict:
+    """config.json for the engine's loader and for transformers, from the GGUF's metadata.
+    `rope_tensors`: the file's tensors that are rope scaling (engine.gguf.rope.ROPE_TENSORS)."""
+    arch, fam = architecture(reader), family(reader)
+    hf_arch, model_type, _ = FAMILIES[fam]
+    hidden = int_field(reader, f"{arch}.embedding_length")
+    heads = int_field(reader, f"{arch}.attention.head_count")
+    head_dim = int_field(reader, f"{arch}.attention.key_length", hidden // heads)
     theta = float(field_value(reader, f"{arch}.rope.freq_base", 10000.0))
-    rope_dims = field_value(reader, f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise GGUFImportError(f"partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported")
+    rotary_dim = int_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim and fam != "phi3":
+        raise GGUFImportError(f"partial rotary embedding ({rotary_dim} of {head_dim} dims) is not supported")
     ids = special_token_ids(reader)
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": _int(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _int(reader, f"{arch}.block_count"),
+        "intermediate_size": int_field(
+            reader, f"{arch}.feed_forward_length", field_value(reader, f"{arch}.expert_feed_forward_length")
+        ),
+        "num_hidden_layers": int_field(reader, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _int(reader, f"{arch}.attention.head_count_kv", heads),
+        "num_key_value_heads": int_field(reader, f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": theta,
-        "rope_scaling": _rope_scaling(reader, arch, head_dim, theta, rope_freqs),
-        "max_position_embeddings": _int(reader, f"{arch}.context_length", 2048),
+        "rope_scaling": rope_scaling(reader, arch, rotary_dim, theta, rope_tensors),
+        "max_position_embeddings": int_field(reader, f"{arch}.context_length", 2048),
         "tie_word_embeddings": tied,
         "attention_bias": arch == "qwen2",
         "bos_token_id": ids.get("bos"),
         "eos_token_id": ids.get("eos"),
+        # Stated even when absent: transformers' Phi3Config otherwise takes Phi-3's 32000, beyond
+        # a smaller vocabulary (its embedding refuses a padding index past the end).
+        "pad_token_id": ids.get("pad"),
         "torch_dtype": dtype,
+        **_experts(reader, arch, fam),
     }
+    if rotary_dim != head_dim:
+        config["partial_rotary_factor"] = partial_rotary_factor(rotary_dim, head_dim)
+    if fam == "phi3":
+        config.update(_phi3(reader, arch))
     if arch == "qwen2":
         config["use_sliding_window"] = False
-    if arch == "mistral":
+    if fam in ("mistral", "mixtral"):
         config["sliding_window"] = None
+    if fam in GEMMA_ARCHITECTURES:
+        layers = config["num_hidden_layers"]
+        config.update(
+            gemma_fields(
+                reader, arch, layers=layers, hidden=hidden, heads=heads, head_dim=head_dim, theta=theta
+            )
+        )
     return config
 
 
 def special_token_ids(reader: Any) -> dict[str, int]:
-    names = {"bos": "bos_token_id", "eos": "eos_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
+    names = {
+        "bos": "bos_token_id",
+        "eos": "eos_token_id",
+        "eot": "eot_token_id",
+        "eom": "eom_token_id",
+        "pad": "padding_token_id",
+    }
     out = {}
     for short, key in names.items():
         value = field_value(reader, f"tokenizer.ggml.{key}")
@@ -170,7 +177,6 @@ def generation_config(reader: Any) -> dict:
         "bos_token_id": ids.get("bos"),
         "eos_token_id": stops[0] if len(stops) == 1 else stops,
     }
-    pad = field_value(reader, "tokenizer.ggml.padding_token_id")
-    if isinstance(pad, int):
-        config["pad_token_id"] = pad
+    if "pad" in ids:
+        config["pad_token_id"] = ids["pad"]
     return config

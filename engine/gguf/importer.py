@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from engine.gguf.config import GGUFImportError, architecture, generation_config, hf_config
-from engine.gguf.tensors import check_tensors, iter_hf_tensors, rope_freqs
+from engine.gguf.config import architecture, generation_config, hf_config
+from engine.gguf.fields import GGUFImportError
+from engine.gguf.tensors import check_tensors, iter_hf_tensors, rope_tensors, weight_count
 
 DTYPES = ("bfloat16", "float32", "float16")
 SHARD_BYTES = 2 << 30
@@ -53,9 +54,13 @@ def _write_weights(reader: Any, out: Path, dtype: torch.dtype, progress: bool) -
         written.append(list(current))
         current.clear()
 
-    total = sum(int(t.n_elements) for t in reader.tensors)
     with tqdm(
-        total=total, unit="param", unit_scale=True, desc="importing", disable=not progress, file=sys.stderr
+        total=weight_count(reader),
+        unit="param",
+        unit_scale=True,
+        desc="importing",
+        disable=not progress,
+        file=sys.stderr,
     ) as bar:
         for name, tensor in iter_hf_tensors(reader, dtype):
             nbytes = tensor.numel() * tensor.element_size()
@@ -123,7 +128,7 @@ def import_gguf(
         dtype=dtype,
         vocab_size=int(embed.shape[1]),
         tied="output.weight" not in names,
-        rope_freqs=rope_freqs(reader),
+        rope_tensors=rope_tensors(reader),
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
