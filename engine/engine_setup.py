@@ -140,7 +140,7 @@ def graph_capturable(model_config: ModelConfig) -> bool:
     """Whether a model's decode step can be captured as a CUDA graph. Not Gemma's windowed or
     soft-capped attention, which loops over the host's sequence lengths, nor a mixture of experts,
     grouped by counts read back to the host: a captured graph would freeze both
-    (engine.attention.windowed_attention, engine.models.moe)."""
+    (engine.attention.windowed, engine.models.moe)."""
     return not (
         model_config.attn_logit_softcap is not None
         or any(w is not None for w in model_config.layer_windows)

@@ -32,6 +32,8 @@ _SIGNATURES = {
             ctypes.c_void_p,  # rows (nullable)
             ctypes.c_int64,  # num_rows (of q and out)
             ctypes.c_int,  # num_seqs
+            ctypes.c_void_p,  # starts (nullable)
+            ctypes.c_float,  # softcap (0: none)
             *_cpu_paged.TRAILING_ARGS,
         ],
     )
@@ -62,6 +64,8 @@ def paged_decode_attention_cpu(
     *,
     rows: torch.Tensor | None = None,  # (num_seqs,) int64: sequence i's row of q and out
     out: torch.Tensor | None = None,  # (num_rows, num_heads, head_dim), written in the given rows
+    starts: torch.Tensor | None = None,  # (num_seqs,) int32: each sequence's first key (a window's)
+    softcap: float | None = None,  # scores soft-capped as softcap * tanh(score / softcap)
 ) -> torch.Tensor:
     lib = _load()
     if lib is None:
@@ -80,6 +84,12 @@ def paged_decode_attention_cpu(
         rows = rows.to(torch.int64).contiguous()
         if rows.shape[0] != num_seqs:
             raise ValueError("rows must name one row per sequence")
+    if starts is not None:
+        starts = starts.to(torch.int32).contiguous()
+        if starts.shape != (num_seqs,):
+            raise ValueError("starts must give one first key per sequence")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     out = _cpu_paged.output_for(q, out)
     if num_seqs == 0:
         return out
@@ -97,6 +107,8 @@ def paged_decode_attention_cpu(
         None if rows is None else rows.data_ptr(),
         q.shape[0],
         num_seqs,
+        None if starts is None else starts.data_ptr(),
+        float(softcap or 0.0),
         q.shape[1],
         k_cache.shape[2],
         q.shape[2],

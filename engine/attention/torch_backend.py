@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, needs_exact_attention, windowed_attention
+from engine.attention import AttentionMetadata
+from engine.attention.windowed import WindowedAttention, needs_exact_attention
 from kernels import cpu_paged_decode_attention as cpu_kernel
 from kernels import cpu_paged_prefill_attention as cpu_prefill
 
@@ -215,6 +216,7 @@ class TorchAttentionBackend:
         # set them False to run the torch paths.
         self.use_cpu_kernel: bool | None = None
         self.use_cpu_prefill_kernel: bool | None = None
+        self._windowed = WindowedAttention()  # Gemma's windowed and soft-capped layers
 
     def _decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if q.device.type != "cpu":
@@ -245,11 +247,20 @@ class TorchAttentionBackend:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """``kv_stored``: the caller already wrote k and v into the caches (a fused CPU pass).
-        ``window`` and ``softcap``: see engine.attention.windowed_attention."""
+        ``window`` and ``softcap``: see engine.attention.windowed."""
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         if needs_exact_attention(metadata, window, softcap):
-            return windowed_attention(q, k_cache, v_cache, metadata, scale, window, softcap)
+            return self._windowed(
+                q,
+                k_cache,
+                v_cache,
+                metadata,
+                scale,
+                window,
+                softcap,
+                decode_kernel=self._decode_kernel(q, k_cache),
+            )
         kernel = self._decode_kernel(q, k_cache)
         if kernel and metadata.is_pure_decode:
             return cpu_kernel.paged_decode_attention_cpu(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, needs_exact_attention, windowed_attention
+from engine.attention import AttentionMetadata
+from engine.attention.windowed import WindowedAttention, needs_exact_attention
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
 from kernels.store_kvcache import store_kvcache
@@ -24,6 +25,7 @@ class TritonAttentionBackend:
         if decode_split_size < 1:
             raise ValueError(f"decode_split_size must be >= 1, got {decode_split_size}")
         self.decode_split_size = decode_split_size
+        self._windowed = WindowedAttention()  # Gemma's windowed and soft-capped layers
 
     def forward(
         self,
@@ -44,7 +46,7 @@ class TritonAttentionBackend:
         if needs_exact_attention(metadata, window, softcap):
             # The kernels have neither a window nor a cap: the plain torch form (no CUDA graphs;
             # engine_setup captures none for such models).
-            return windowed_attention(q, k_cache, v_cache, metadata, scale, window, softcap)
+            return self._windowed(q, k_cache, v_cache, metadata, scale, window, softcap)
         if metadata.is_pure_decode:
             assert q.shape[0] == metadata.num_seqs, "a decode-only step has one query row per sequence"
             return paged_decode_attention(

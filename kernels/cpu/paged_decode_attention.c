@@ -8,7 +8,9 @@
  * q is (num_rows, num_heads, head_dim) with rows q_stride elements apart (a view into the fused
  * q|k|v projection), out the same shape, contiguous; sequence i reads and writes row rows[i]
  * (rows == NULL: row i). Every tensor has one element type: float32 or bfloat16; scores,
- * softmax and accumulation are float32.
+ * softmax and accumulation are float32. Sequence i attends to its keys from starts[i] on (starts ==
+ * NULL: from 0), a sliding window's first key, and with softcap > 0 its scores are soft-capped,
+ * softcap * tanh(score / softcap) (Gemma 2 and 3).
  *
  * One work item is a sequence: its blocks are read front to back with every KV head of a token at
  * once, and the GQA group's query heads share each K and V row as it is loaded. Items are spread
@@ -43,10 +45,16 @@ static inline float softmax_numerators_inv(float *x, int n) {
     return 1.0f / l;
 }
 
+/* Gemma's soft cap on a head's scores, before the softmax. */
+static inline void soft_cap(float *x, int n, float cap) {
+    const float inv = 1.0f / cap;
+    for (int t = 0; t < n; t++) x[t] = cap * tanhf(x[t] * inv);
+}
+
 static inline __attribute__((always_inline)) void attend_seq(
     const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16, const int32_t *table,
-    int seq_len, int64_t row, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
-    float *scores, float *acc, float *qf, float *rowbuf) {
+    int seq_len, int start, float softcap, int64_t row, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, void *out, float *scores, float *acc, float *qf, float *rowbuf) {
     const int group = num_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int num_blocks = (seq_len + block_size - 1) / block_size;
@@ -61,16 +69,17 @@ static inline __attribute__((always_inline)) void attend_seq(
         qf[i] *= scale;
         acc[i] = 0.0f;
     }
-    for (int b = 0; b < num_blocks; b++) {
+    for (int b = start / block_size; b < num_blocks; b++) {
         int t0 = b * block_size;
         int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        int j0 = start > t0 ? start - t0 : 0;  /* keys before the window's first are skipped */
         int64_t first = (int64_t)table[b] * block_size * token_stride;
         /* The next block lies anywhere in the pool: its rows are asked for one per row of this
          * block, so the loads are in flight while this one is computed. */
         const char *next = b + 1 < num_blocks
             ? (const char *)k_cache + (int64_t)table[b + 1] * block_size * token_stride * elem
             : NULL;
-        for (int j = 0; j < n; j++) {
+        for (int j = j0; j < n; j++) {
             if (next)
                 for (int64_t off = 0; off < row_bytes; off += 64)
                     __builtin_prefetch(next + (int64_t)j * row_bytes + off, 0, 3);
@@ -93,20 +102,22 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
     for (int h = 0; h < num_heads; h++) {
         float *sh = scores + (int64_t)h * seq_len;
-        float inv = softmax_numerators_inv(sh, seq_len);
+        if (softcap > 0.0f) soft_cap(sh + start, seq_len - start, softcap);
+        float inv = softmax_numerators_inv(sh + start, seq_len - start);
 #pragma omp simd
-        for (int t = 0; t < seq_len; t++) sh[t] *= inv;
+        for (int t = start; t < seq_len; t++) sh[t] *= inv;
     }
-    for (int b = 0; b < num_blocks; b++) {
+    for (int b = start / block_size; b < num_blocks; b++) {
         int t0 = b * block_size;
         int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        int j0 = start > t0 ? start - t0 : 0;  /* keys before the window's first are skipped */
         int64_t first = (int64_t)table[b] * block_size * token_stride;
         /* The next block lies anywhere in the pool: its rows are asked for one per row of this
          * block, so the loads are in flight while this one is computed. */
         const char *next = b + 1 < num_blocks
             ? (const char *)v_cache + (int64_t)table[b + 1] * block_size * token_stride * elem
             : NULL;
-        for (int j = 0; j < n; j++) {
+        for (int j = j0; j < n; j++) {
             if (next)
                 for (int64_t off = 0; off < row_bytes; off += 64)
                     __builtin_prefetch(next + (int64_t)j * row_bytes + off, 0, 3);
@@ -176,8 +187,8 @@ static inline __m512 load16(const void *base, int64_t i, int is_bf16) {
  * Scratch: scores (num_heads * seq_len), partial (num_heads * 16 vectors), qf (num_heads * head_dim). */
 static inline __attribute__((always_inline)) void attend_seq_avx512(
     const int NC, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
-    const int32_t *table, int seq_len, int64_t row, int num_heads, int num_kv_heads, int block_size, float scale,
-    void *out, float *scores, __m512 *partial, float *qf) {
+    const int32_t *table, int seq_len, int start, float softcap, int64_t row, int num_heads, int num_kv_heads,
+    int block_size, float scale, void *out, float *scores, __m512 *partial, float *qf) {
     const int head_dim = 16 * NC;
     const int group = num_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
@@ -187,7 +198,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int i = 0; i < num_heads * NC; i++) _mm512_storeu_ps(qf + 16 * i, _mm512_mul_ps(load16(q, q_in + 16 * i, is_bf16), vscale));
 
-    for (int t0 = 0; t0 < seq_len; t0 += 16) {
+    for (int t0 = start; t0 < seq_len; t0 += 16) {
         const int n = seq_len - t0 < 16 ? seq_len - t0 : 16;
         for (int j = 0; j < n; j++) {
             const int t = t0 + j;
@@ -216,7 +227,10 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     }
 
     float inv[512]; /* the caller keeps num_heads <= 512 */
-    for (int h = 0; h < num_heads; h++) inv[h] = softmax_numerators_inv(scores + (int64_t)h * seq_len, seq_len);
+    for (int h = 0; h < num_heads; h++) {
+        if (softcap > 0.0f) soft_cap(scores + (int64_t)h * seq_len + start, seq_len - start, softcap);
+        inv[h] = softmax_numerators_inv(scores + (int64_t)h * seq_len + start, seq_len - start);
+    }
 
     const int GC = GROUP_CHUNK(NC);
     for (int kh = 0; kh < num_kv_heads; kh++) {
@@ -226,7 +240,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             __m512 acc[4][8];
             for (int g = 0; g < GC; g++)
                 for (int c = 0; c < NC; c++) acc[g][c] = _mm512_setzero_ps();
-            for (int t = 0; t < seq_len; t++) {
+            for (int t = start; t < seq_len; t++) {
                 const int64_t first = token_slot(table, t, block_size) * token_stride;
                 if (t + PREFETCH_TOKENS < seq_len) {
                     const char *ahead =
@@ -265,12 +279,13 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
                            int64_t num_blocks, const int32_t *block_tables, int64_t bt_stride, int64_t bt_width,
                            const int32_t *seq_lens, const int64_t *rows, int64_t num_rows, int num_seqs,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
+                           const int32_t *starts, float softcap, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
                            int num_threads) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || block_size < 1) return 1;
     for (int i = 0; i < num_seqs; i++) {
         const int64_t row = rows ? rows[i] : i;
         if (row < 0 || row >= num_rows) return PAGED_BAD_ROW;
+        if (starts && (starts[i] < 0 || starts[i] >= seq_lens[i])) return PAGED_BAD_LENGTH;
         const int bad =
             paged_check_context(block_tables + (int64_t)i * bt_stride, bt_width, seq_lens[i], block_size, num_blocks);
         if (bad) return bad;
@@ -299,13 +314,14 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
             float *acc = scores + (size_t)num_heads * max_len, *qf = acc + per_head, *rowbuf = qf + per_head;
             int64_t row = rows ? rows[i] : i;
             const int32_t *table = block_tables + (int64_t)i * bt_stride;
+            const int start = starts ? starts[i] : 0;
 #ifdef __AVX512F__
             if (num_heads <= 512 && (head_dim == 64 || head_dim == 128)) {
                 if (head_dim == 64)
-                    attend_seq_avx512(4, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads,
+                    attend_seq_avx512(4, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads,
                                       num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
                 else
-                    attend_seq_avx512(8, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads,
+                    attend_seq_avx512(8, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads,
                                       num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
                 continue;
             }
@@ -314,15 +330,15 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
              * is a common one, which the compiler unrolls into whole vector registers. */
             switch (head_dim) {
             case 64:
-                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads, 64,
+                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads, num_kv_heads, 64,
                            block_size, scale, out, scores, acc, qf, rowbuf);
                 break;
             case 128:
-                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads, 128,
+                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads, num_kv_heads, 128,
                            block_size, scale, out, scores, acc, qf, rowbuf);
                 break;
             default:
-                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], row, num_heads, num_kv_heads,
+                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads, num_kv_heads,
                            head_dim, block_size, scale, out, scores, acc, qf, rowbuf);
             }
         }

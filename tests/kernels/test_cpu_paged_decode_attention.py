@@ -201,3 +201,52 @@ def test_a_cache_of_another_head_size_is_refused():
         cpu_kernel.paged_decode_attention_cpu(
             batch.q, small, small.clone(), batch.block_tables, batch.seq_lens, 0.1
         )
+
+
+def _windowed_reference(batch, scale: float, starts: list[int], softcap: float | None) -> torch.Tensor:
+    """Each decode row over its keys from starts[i] on, scores soft-capped, in float32."""
+    block_size, num_kv_heads = batch.k_cache.shape[1], batch.k_cache.shape[2]
+    group = batch.q.shape[1] // num_kv_heads
+    out = torch.empty(batch.q.shape, dtype=torch.float32)
+    for i, (start, seq_len) in enumerate(zip(starts, batch.seq_lens.tolist(), strict=True)):
+        slots = [
+            int(batch.block_tables[i, t // block_size]) * block_size + t % block_size for t in range(seq_len)
+        ]
+        keys = batch.k_cache.flatten(0, 1)[slots[start:]].float()  # (keys, kv_heads, head_dim)
+        values = batch.v_cache.flatten(0, 1)[slots[start:]].float()
+        for h in range(batch.q.shape[1]):
+            scores = keys[:, h // group] @ batch.q[i, h].float() * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[i, h] = torch.softmax(scores, dim=0) @ values[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_a_window_and_a_soft_cap_match_the_reference(dtype, head_dim, softcap):
+    # given decodes some of which outrun a 20-token window that starts inside a block
+    seq_lens = [1, 15, 21, 63, 300, 33]
+    batch = _decode_batch(seq_lens, group=3, dtype=dtype, head_dim=head_dim, seed=7)
+    starts = [max(0, n - 20) for n in seq_lens]
+
+    # when the kernel attends from each window's first key, scores capped
+    out = cpu_kernel.paged_decode_attention_cpu(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125,
+        starts=torch.tensor(starts, dtype=torch.int32), softcap=softcap,
+    )  # fmt: skip
+
+    # then each row attends to its window alone
+    assert_close(out, _windowed_reference(batch, 0.125, starts, softcap), dtype)
+    if softcap is None:
+        assert not torch.allclose(out.float(), reference_attention(batch, 0.125).float(), atol=1e-3)
+
+
+def test_a_start_outside_the_context_is_refused():
+    batch = _decode_batch([5, 9], group=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="context length"):
+        cpu_kernel.paged_decode_attention_cpu(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125,
+            starts=torch.tensor([0, 9], dtype=torch.int32),
+        )  # fmt: skip
