@@ -376,7 +376,10 @@ class LlamaForCausalLM(nn.Module):
         each, every input attending causally to itself alone and from position 0, with no KV cache:
         what an embedding model built on this decoder pools (engine.embedding_engine). `last_only`:
         each input's last token's state alone, (inputs, hidden_size); the last layer then computes
-        its attention output and MLP for those rows only."""
+        its attention output and MLP for those rows only. Not Gemma's: its windows, caps and extra
+        norms are not computed here (engine.rules.model_tasks never makes it an embedding model)."""
+        if self.config.gemma:
+            raise NotImplementedError("Gemma models generate only; they do not embed")
         x = self._embed(input_ids)
         self._use_fused(x.device)
         positions = torch.cat([torch.arange(n, device=x.device) for n in lengths])

@@ -110,6 +110,22 @@ def test_longrope_factors_of_the_wrong_length_are_refused(tiny_phi3_dir: Path, t
         load_model_config(model_dir)
 
 
+def _served_under_the_adapter_as_peft_computes(
+    model_dir: Path, adapter: Path, lengths: list[int], max_tokens: int
+) -> int:
+    """Greedy requests of these prompt lengths under the adapter, every sampled row checked
+    against PEFT; how many rows were compared."""
+    engine = lora_engine(model_dir)
+    recorder = SampledLogits(engine)
+    for i, prompt in enumerate(prompts(lengths, seed=len(lengths) + max_tokens)):
+        lora = LoRARef("adapter", str(adapter), "1")
+        engine.add_request(f"r{i}", prompt, _greedy(max_tokens), tenant="acme", lora=lora)
+    final = run_to_completion(engine)
+    assert all(len(out.outputs[0].token_ids) == max_tokens for out in final.values())
+    seqs = {seq.seq_id for seq, _, _ in recorder.rows}
+    return recorder.check_against(model_dir, dict.fromkeys(seqs, adapter))
+
+
 def test_a_phi3_adapter_on_the_fused_projections_matches_peft(tiny_phi3_dir: Path, tmp_path: Path) -> None:
     """PEFT adapts Phi-3's fused qkv_proj and gate_up_proj as single modules; the engine serves them
     as their parts' LoRA with one A between them."""
@@ -121,16 +137,7 @@ def test_a_phi3_adapter_on_the_fused_projections_matches_peft(tiny_phi3_dir: Pat
         targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
         seed=11,
     )
-    engine = lora_engine(tiny_phi3_dir)
-    recorder = SampledLogits(engine)
-    for i, prompt in enumerate(prompts([7, 33], seed=12)):
-        engine.add_request(
-            f"p{i}", prompt, _greedy(10), tenant="acme", lora=LoRARef("phi", str(adapter), "1")
-        )
-    final = run_to_completion(engine)
-    assert all(len(out.outputs[0].token_ids) == 10 for out in final.values())
-    seqs = {seq.seq_id for seq, _, _ in recorder.rows}
-    assert recorder.check_against(tiny_phi3_dir, dict.fromkeys(seqs, adapter)) == 2 * 10
+    assert _served_under_the_adapter_as_peft_computes(tiny_phi3_dir, adapter, [7, 33], 10) == 2 * 10
 
 
 def test_an_adapter_naming_a_fused_module_and_its_part_is_refused(
@@ -248,15 +255,7 @@ def test_an_adapter_on_qwen3moe_attention_matches_peft_and_one_on_its_experts_is
         targets=("q_proj", "k_proj", "v_proj", "o_proj"),
         seed=4,
     )
-    engine = lora_engine(tiny_qwen3moe_dir)
-    recorder = SampledLogits(engine)
-    for i, prompt in enumerate(prompts([9, 40], seed=13)):
-        engine.add_request(
-            f"q{i}", prompt, _greedy(8), tenant="acme", lora=LoRARef("attn", str(adapter), "1")
-        )
-    run_to_completion(engine)
-    seqs = {seq.seq_id for seq, _, _ in recorder.rows}
-    assert recorder.check_against(tiny_qwen3moe_dir, dict.fromkeys(seqs, adapter)) == 2 * 8
+    assert _served_under_the_adapter_as_peft_computes(tiny_qwen3moe_dir, adapter, [9, 40], 8) == 2 * 8
     # PEFT adapts the experts' own tensors (target_parameters), which the engine does not serve.
     experts = make_peft_adapter(
         tiny_qwen3moe_dir, tmp_path / "experts", rank=4, alpha=8, targets=("down_proj",)
