@@ -87,7 +87,7 @@ class EmbeddingModel:
 
 
 def load_embedding_model(config: EngineConfig) -> tuple[EmbeddingModel, Pooling]:
-    """An encoder directory (BERT family), or a decoder one (Llama, Mistral, Qwen2, Qwen3) run for
+    """An encoder directory (BERT family), or a decoder one (any the engine serves but Gemma) run for
     embeddings; the pooling its sentence-transformers files declare, else mean for an encoder and the
     last token for a decoder (where a causal model has read the whole input), normalized."""
     device = torch.device(
