@@ -29,7 +29,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db]
 MODEL = "e2e-tiny-routing"
 REPLICAS = ["left", "right"]
 BLOCK = 16
-STEAL_AFTER_MS = 500
+# Long enough that a turn waiting behind its replica's others on a loaded machine is not stolen
+# (the placement test would see it move), well within a frozen replica's heartbeat TTL.
+STEAL_AFTER_MS = 3000
 # A frozen replica stays live this long: within it, only a steal can move its requests.
 HEARTBEAT_TTL_S = 10
 SYSTEM = [11 + i for i in range(BLOCK)]  # one block every conversation starts with

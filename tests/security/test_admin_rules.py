@@ -85,9 +85,9 @@ def test_the_task_is_the_operators_where_the_checkpoint_allows_it(operator, mode
 
 
 def test_a_model_of_an_architecture_the_engine_does_not_serve_is_refused(operator, models_dir):
-    (models_dir / "gemma").mkdir()
-    (models_dir / "gemma" / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
-    response = _add(operator, str(models_dir / "gemma"))
+    (models_dir / "falcon").mkdir()
+    (models_dir / "falcon" / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
+    response = _add(operator, str(models_dir / "falcon"))
     assert "is not supported (supported: LlamaForCausalLM" in response.content.decode()
     assert not ModelDeployment.objects.exists()
 
