@@ -49,9 +49,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _redis_keys_cleaned_after_session():
+def _redis_keys_cleaned_after_session(request):
     """Tests share the machine's Redis; each run writes under its own prefix and removes it after."""
     yield
+    if not request.config.pluginmanager.has_plugin("django"):
+        return
     try:
         from django.conf import settings
 
@@ -105,11 +107,13 @@ def operator_headers(settings) -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True)
-def _fast_password_hashing(request, settings):
+def _fast_password_hashing(request):
     """PBKDF2's deliberate slowness (about half a second per user here) would dominate the tests
     that create users; what they check does not depend on the hash. Not for e2e tests: the servers
-    they start check passwords with the real hashers."""
-    if request.node.get_closest_marker("e2e") is None:
+    they start check passwords with the real hashers. Nothing to do where pytest-django is not
+    loaded (the engine and kernel tests on a GPU machine without Django)."""
+    if request.node.get_closest_marker("e2e") is None and request.config.pluginmanager.has_plugin("django"):
+        settings = request.getfixturevalue("settings")
         settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 

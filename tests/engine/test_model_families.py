@@ -193,6 +193,23 @@ def test_the_experts_block_through_the_triton_kernel_equals_its_torch_path(devic
     assert_close(through_kernel, block.dense(x, weights, experts), torch.float32)
 
 
+def test_on_a_gpu_small_experts_take_the_grouped_kernel_and_large_ones_a_multiply_each() -> None:
+    """The rule bench/moe_experts.py measured on an H100 (SparseMoeBlock.KERNEL_MAX_EXPERT_WEIGHTS)."""
+    from types import SimpleNamespace
+
+    def block(hidden: int, inter: int, experts: int) -> SparseMoeBlock:
+        cfg = SimpleNamespace(
+            hidden_size=hidden, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=inter,
+            norm_topk_prob=True,
+        )  # fmt: skip
+        with torch.device("meta"):
+            return SparseMoeBlock(cfg)  # type: ignore[arg-type]
+
+    assert not block(4096, 14336, 8).kernel_suits()  # Mixtral-8x7B
+    assert block(2048, 768, 128).kernel_suits()  # Qwen3-30B-A3B
+    assert block(512, 1408, 8).kernel_suits()  # the bench model
+
+
 def test_qwen3moe_keeps_dense_mlps_where_the_config_says(tiny_qwen3moe_dir: Path) -> None:
     cfg = load_model_config(tiny_qwen3moe_dir)
     assert cfg.moe_layers == tuple(range(1, cfg.num_layers)) and cfg.qk_norm and cfg.norm_topk_prob

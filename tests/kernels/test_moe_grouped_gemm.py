@@ -16,11 +16,12 @@ EXPERTS, IN, OUT = 6, 96, 80  # not powers of two: the last K and N tiles are pa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("counts", [[0, 1, 0, 0, 0, 0], [3, 0, 17, 40, 0, 1], [16, 16, 32, 0, 5, 33]])
-def test_each_experts_rows_times_its_weight(device, dtype, counts):
+@pytest.mark.parametrize("block_m", [None, 16])  # None: 16 or 64 rows a tile, from the counts
+def test_each_experts_rows_times_its_weight(device, dtype, counts, block_m):
     gen = torch.Generator().manual_seed(sum(counts))
     x = torch.randn(sum(counts), IN, generator=gen).to(dtype=dtype, device=device)
     w = (torch.randn(EXPERTS, OUT, IN, generator=gen) * 0.1).to(dtype=dtype, device=device)
-    out = moe_grouped_gemm(x, w, counts)
+    out = moe_grouped_gemm(x, w, counts, block_m=block_m)
     assert out.shape == (sum(counts), OUT) and out.dtype == dtype
     assert_close(out, ref_moe_grouped_gemm(x, w, counts), dtype)
 
