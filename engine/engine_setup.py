@@ -30,6 +30,7 @@ class EngineSetup:
     model: LlamaForCausalLM
     sampler: Sampler
     cuda_graph_batch_sizes: tuple[int, ...]  # `graph_batch_sizes`: within the scheduler's max_num_seqs
+    num_window_blocks: int = 0  # the windowed layers' pool (ModelConfig.kv_window), or 0: none
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,8 +76,9 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return min(limit, config.scheduler.max_model_len)
 
 
-def _profile_gpu_num_blocks(config: EngineConfig, model, max_model_len: int, sampler: Sampler) -> int:
-    """Blocks that fit in gpu_memory_utilization of the device after a worst-case prefill forward."""
+def _profile_gpu_kv_bytes(config: EngineConfig, model, max_model_len: int, sampler: Sampler) -> int:
+    """Bytes of KV cache that fit in gpu_memory_utilization of the device after a worst-case
+    prefill forward."""
     from engine.scheduler_output import ScheduledSequence, SchedulerOutput
     from engine.sequence import Sequence
 
@@ -85,6 +87,7 @@ def _profile_gpu_num_blocks(config: EngineConfig, model, max_model_len: int, sam
     probe = ModelRunner(
         model,
         num_blocks=-(-n // block_size),
+        num_window_blocks=-(-n // block_size) if model.config.kv_window is not None else 0,
         block_size=block_size,
         max_model_len=max_model_len,
         sampler=sampler,
@@ -93,6 +96,7 @@ def _profile_gpu_num_blocks(config: EngineConfig, model, max_model_len: int, sam
 
     seq = Sequence("profile", [0] * n, SamplingParams(max_tokens=1))
     seq.block_table = list(range(-(-n // block_size)))
+    seq.window_block_table = list(seq.block_table)
     torch.cuda.reset_peak_memory_stats()
     probe.run(SchedulerOutput([ScheduledSequence(seq, n)], n, [], []))
     torch.cuda.synchronize()
@@ -103,27 +107,54 @@ def _profile_gpu_num_blocks(config: EngineConfig, model, max_model_len: int, sam
     free, total = torch.cuda.mem_get_info()
     # Memory held outside this process's allocator (other processes, the CUDA context) stays used.
     used_elsewhere = total - free - torch.cuda.memory_reserved()
-    budget = total * config.cache.gpu_memory_utilization - used_elsewhere - (peak - probe_cache)
-    return int(budget // kv_cache_bytes_per_block(model, block_size))
+    return int(total * config.cache.gpu_memory_utilization - used_elsewhere - (peak - probe_cache))
+
+
+def window_pool_need(model_config: ModelConfig, sched: SchedulerConfig, block_size: int) -> int:
+    """Window-pool blocks enough for every running sequence at once: each holds at most the blocks
+    its window spans, plus a partly filled one at each end, and a step's new tokens need at most
+    the step budget's blocks beyond that."""
+    window = model_config.kv_window
+    assert window is not None
+    per_seq = -(-(window - 1) // block_size) + 2
+    return sched.max_num_seqs * per_seq + -(-sched.max_num_batched_tokens // block_size)
 
 
 def resolve_num_blocks(
     config: EngineConfig, model, device: torch.device, max_model_len: int, sampler: Sampler
-) -> int:
+) -> tuple[int, int]:
+    """(blocks of the main pool, blocks of the windowed layers' pool, 0 without one). The window
+    pool is sized for the most every running sequence can hold (`window_pool_need`), the main pool
+    takes the rest of the budget: with 5 windowed layers of 6 (Gemma 3) nearly six times the blocks
+    a single pool would have. An explicit num_blocks sizes both pools (the window pool no larger
+    than it needs)."""
     cache, sched = config.cache, config.scheduler
+    mc = model.config
+    need = window_pool_need(mc, sched, cache.block_size) if mc.kv_window is not None else 0
     if cache.num_blocks is not None:
-        return cache.num_blocks
+        return cache.num_blocks, min(cache.num_blocks, need)
     per_block = kv_cache_bytes_per_block(model, cache.block_size)
     if cache.kv_cache_memory_bytes is not None or device.type != "cuda":
-        num_blocks = (cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+        budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    else:
+        budget = _profile_gpu_kv_bytes(config, model, max_model_len, sampler)
+    num_blocks = budget // per_block
+    num_window_blocks = 0
+    if need and num_blocks > need:
+        windowed = sum(1 for w in mc.layer_windows if w is not None)
+        window_bytes = per_block * windowed // mc.num_layers
+        num_window_blocks = need
+        num_blocks = (budget - need * window_bytes) // (per_block - window_bytes)
+    elif need:
+        num_window_blocks = num_blocks  # too small a budget to save anything: one size for both
+    if cache.kv_cache_memory_bytes is not None or device.type != "cuda":
         # More blocks than every sequence at full length could fill only hold old prefixes; on
         # CPU that memory is better left to the rest of the machine.
         num_blocks = min(num_blocks, 2 * sched.max_num_seqs * -(-max_model_len // cache.block_size))
-    else:
-        num_blocks = _profile_gpu_num_blocks(config, model, max_model_len, sampler)
+        num_window_blocks = min(num_window_blocks, num_blocks)
     if num_blocks < 1:
         raise ConfigError("the KV cache budget does not fit a single block; raise the memory budget")
-    return num_blocks
+    return num_blocks, num_window_blocks
 
 
 def graph_batch_sizes(configured: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
@@ -158,7 +189,7 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
     backend = make_backend(config.attention_backend, device)
     model = load_model(config.model, backend, dtype=config.dtype, device=device, max_model_len=max_model_len)
     sampler = Sampler(model_config.eos_token_ids)
-    num_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
+    num_blocks, num_window_blocks = resolve_num_blocks(config, model, device, max_model_len, sampler)
     graph_sizes = graph_batch_sizes(config.cuda_graph_batch_sizes, scheduler_config.max_num_seqs)
     if not graph_capturable(model_config):
         graph_sizes = ()
@@ -172,4 +203,5 @@ def build_engine_setup(config: EngineConfig) -> EngineSetup:
         model,
         sampler,
         graph_sizes,
+        num_window_blocks,
     )

@@ -58,11 +58,18 @@ class LLMEngine:
             self.speculator = Speculator(config.speculative, self.max_model_len)
             self.speculator.grammar_prefix = self.grammars.draft_prefix
         self.scheduler = Scheduler(
-            setup.scheduler_config, config.cache, setup.num_blocks, lora_slots, self.speculator
+            setup.scheduler_config,
+            config.cache,
+            setup.num_blocks,
+            lora_slots,
+            self.speculator,
+            window=setup.model_config.kv_window,
+            num_window_blocks=setup.num_window_blocks,
         )
         self.runner = ModelRunner(
             setup.model,
             num_blocks=setup.num_blocks,
+            num_window_blocks=setup.num_window_blocks,
             block_size=config.cache.block_size,
             max_model_len=self.max_model_len,
             sampler=setup.sampler,

@@ -7,6 +7,7 @@ a scratch block past the pool so they never touch a real sequence's cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -73,6 +74,7 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         sampler: Sampler,
+        num_window_blocks: int = 0,
         lora: LoRAManager | None = None,
         grammar_bitmask: GrammarBitmask | None = None,
         enforce_eager: bool = True,
@@ -81,10 +83,12 @@ class ModelRunner:
         """``lora``: when adapters are served, it maps each step's tokens to slots (the CUDA graphs
         are captured with its layers in place and replayed only for steps without adapters).
         ``grammar_bitmask``: the engine's structured outputs; it starts filling the token bitmask
-        of a step's sampled sequences and returns its join (None when none is constrained)."""
+        of a step's sampled sequences and returns its join (None when none is constrained).
+        ``num_window_blocks``: the windowed layers' pool (engine.block_manager), 0 for none."""
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_window_blocks = num_window_blocks
         self.max_model_len = max_model_len
         self.sampler = sampler
         weight = model.model.embed_tokens.weight
@@ -92,14 +96,18 @@ class ModelRunner:
         cfg = model.config
         # One extra block: the scratch target of padded CUDA-graph rows. Zeroed, because the
         # batched decode reads masked padding and 0 * NaN from uninitialised memory is NaN.
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+        # The windowed layers' caches hold the window pool's blocks, where there is one.
+        windows = cfg.layer_windows if num_window_blocks else ()
+        self.kv_caches = []
+        for layer in range(cfg.num_layers):
+            blocks = num_window_blocks if windows and windows[layer] is not None else num_blocks
+            shape = (blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.kv_caches.append(
+                (
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                )
             )
-            for _ in range(cfg.num_layers)
-        ]
         self._generators: dict[int, torch.Generator | None] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         self.lora = lora
@@ -109,6 +117,13 @@ class ModelRunner:
             self.graphs = _DecodeGraphs(self, cuda_graph_batch_sizes)
 
     # -- inputs ---------------------------------------------------------------------------------
+
+    def _tables(self, rows: list[list[int]], width: int) -> torch.Tensor:
+        tables = torch.zeros((len(rows), width), dtype=torch.int32)
+        for i, row in enumerate(rows):
+            row = row[:width]
+            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return tables.to(self.device, non_blocking=True)
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         bs = self.block_size
@@ -147,10 +162,6 @@ class ModelRunner:
                 logits_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
                 sampled.extend([item] * num_rows)
         width = max(-(-n // bs) for n in seq_lens)
-        tables = torch.zeros((len(scheduled), width), dtype=torch.int32)
-        for i, item in enumerate(scheduled):
-            row = item.seq.block_table[:width]
-            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -159,12 +170,30 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
             query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
+            block_tables=self._tables([item.seq.block_table for item in scheduled], width),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
+        if self.num_window_blocks:
+            # The windowed layers' view of the step: their own tables and slots, freed entries
+            # (NO_BLOCK) read as block 0, which their attention never reaches.
+            window_slots: list[int] = []
+            for item in scheduled:
+                table = item.seq.window_block_table
+                start = item.start_pos
+                window_slots.extend(
+                    table[p // bs] * bs + p % bs for p in range(start, start + item.num_new_tokens)
+                )
+            metadata.windowed = dataclasses.replace(
+                metadata,
+                slot_mapping=torch.tensor(window_slots, dtype=torch.int64).to(dev, non_blocking=True),
+                block_tables=self._tables(
+                    [[max(b, 0) for b in item.seq.window_block_table[:width]] for item in scheduled], width
+                ),
+                windowed=None,
+            )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),

@@ -75,7 +75,11 @@ class Scheduler:
         num_blocks: int,
         lora_slots: LoRASlots | None = None,
         speculator: Speculator | None = None,
+        *,
+        window: int | None = None,
+        num_window_blocks: int = 0,
     ) -> None:
+        """``window``, ``num_window_blocks``: the windowed layers' KV pool (engine.block_manager)."""
         self.config = scheduler_config
         # Drafts for decoding sequences (speculative decoding); None: one token per decode.
         self.speculator = speculator
@@ -83,7 +87,11 @@ class Scheduler:
         self.lora_slots = lora_slots
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            window=window if num_window_blocks else None,
+            num_window_blocks=num_window_blocks,
         )
         self.fair_share = scheduler_config.policy == "fair"
         self.service = ServiceCounters()
@@ -307,6 +315,7 @@ class Scheduler:
                 self.service.charge(seq.tenant, output_tokens=len(tokens))
                 sampled.append(seq)
             bm.cache_full_blocks(seq)  # after the accepted drafts are the sequence's own tokens
+            bm.release_out_of_window(seq)  # registered first, so the freed blocks stay cached
             if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.release_siblings(seq.request_id)
         return sampled

@@ -77,6 +77,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        # The windowed layers' blocks (models with a KV window, engine.block_manager): one entry per
+        # entry of block_table, NO_BLOCK where the block fell out of the window and was freed.
+        self.window_block_table: list[int] = []
         # Chained content hashes of this sequence's full blocks; tokens of a full block never change
         # (preemption keeps the outputs), so they are computed once and survive preemption.
         self.block_hashes: list[bytes] = []

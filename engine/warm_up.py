@@ -43,6 +43,8 @@ def synthetic_step(runner: ModelRunner, lengths: list[int], new_tokens: list[int
         seq = Sequence(f"warm-up-{i}", [0] * length, SamplingParams(max_tokens=1))
         blocks = -(-length // runner.block_size)
         seq.block_table = list(range(block, block + blocks))
+        if runner.num_window_blocks:
+            seq.window_block_table = [b % runner.num_window_blocks for b in seq.block_table]
         block += blocks
         seq.num_computed_tokens = length - new
         items.append(ScheduledSequence(seq, new))

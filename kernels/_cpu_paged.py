@@ -28,6 +28,12 @@ TRAILING_ARGS = [
 ]
 
 
+def heads_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """q itself when each row's heads are contiguous (rows may be apart, as in a fused projection's
+    output), else a contiguous copy: the layout the kernels read."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
+
+
 def supports_layout(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """CPU tensors of one element type, float32 or bfloat16, and whole GQA groups."""
     return (

@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Host copies, for backends that loop per sequence (the torch reference) without syncing.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The same step as the windowed layers see it, where their K/V has a pool of its own
+    # (engine.block_manager): their block tables and slots. None: they read these.
+    windowed: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:

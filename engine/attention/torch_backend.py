@@ -33,6 +33,7 @@ from engine.attention import AttentionMetadata
 from engine.attention.windowed import WindowedAttention, needs_exact_attention
 from kernels import cpu_paged_decode_attention as cpu_kernel
 from kernels import cpu_paged_prefill_attention as cpu_prefill
+from kernels._cpu_paged import heads_contiguous
 
 
 def store_kv(
@@ -198,19 +199,15 @@ def plan_step(
     return _StepPlan(decodes, chunks, None, table)
 
 
-def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
-    """q itself when each row's heads are contiguous (rows may be apart), else a contiguous copy."""
-    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
-
-
 class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        # The plan of the step in progress, keyed by its metadata object: every layer of a forward
-        # receives the same one. Kept only on CPU, since a CUDA graph must rebuild it on replay.
-        self._plan_metadata: AttentionMetadata | None = None
-        self._plan: _StepPlan | None = None
+        # The plans of the step in progress, keyed by its metadata objects: every layer of a
+        # forward receives the same one, or one of two where windowed layers have a view of their
+        # own (AttentionMetadata.windowed). Kept only on CPU, since a CUDA graph must rebuild them
+        # on replay.
+        self._plans: dict[int, tuple[AttentionMetadata, _StepPlan]] = {}
         self._workspaces: dict[str, torch.Tensor] = {}
         # The C kernels on CPU: None until the first CPU forward asks whether they compiled. Tests
         # set them False to run the torch paths.
@@ -264,7 +261,7 @@ class TorchAttentionBackend:
         kernel = self._decode_kernel(q, k_cache)
         if kernel and metadata.is_pure_decode:
             return cpu_kernel.paged_decode_attention_cpu(
-                _heads_contiguous(q), k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale
+                heads_contiguous(q), k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale
             )
         plan = self._step_plan(
             metadata, k_cache.shape[1], q.dtype, q.device, kernel, self._prefill_kernel(q, k_cache)
@@ -274,7 +271,7 @@ class TorchAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.kernel_chunks is not None:
             cpu_prefill.paged_prefill_attention_cpu(
-                _heads_contiguous(q),
+                heads_contiguous(q),
                 k_cache,
                 v_cache,
                 metadata.block_tables,
@@ -285,7 +282,7 @@ class TorchAttentionBackend:
         if plan.kernel_decodes is not None:
             d = plan.kernel_decodes
             cpu_kernel.paged_decode_attention_cpu(
-                _heads_contiguous(q),
+                heads_contiguous(q),
                 k_cache,
                 v_cache,
                 d.block_tables,
@@ -313,10 +310,13 @@ class TorchAttentionBackend:
     ) -> _StepPlan:
         if device.type != "cpu":
             return plan_step(metadata, block_size, dtype)
-        if self._plan_metadata is not metadata or self._plan is None:
-            self._plan = plan_step(metadata, block_size, dtype, decode_kernel, prefill_kernel)
-            self._plan_metadata = metadata
-        return self._plan
+        held = self._plans.get(id(metadata))
+        if held is None or held[0] is not metadata:
+            if len(self._plans) >= 2:
+                self._plans.clear()
+            held = (metadata, plan_step(metadata, block_size, dtype, decode_kernel, prefill_kernel))
+            self._plans[id(metadata)] = held
+        return held[1]
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
         """cache[blocks], on CPU into a workspace reused by every layer and step."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from kernels._cpu_paged import heads_contiguous
 
 
 def needs_exact_attention(metadata: AttentionMetadata, window: int | None, softcap: float | None) -> bool:
@@ -97,8 +98,11 @@ class WindowedAttention:
     """One per backend: keeps the step's decode gather plans, one per window size."""
 
     def __init__(self) -> None:
-        self._metadata: AttentionMetadata | None = None
-        self._plans: dict[int | None, _DecodeGather | _KernelDecodes | None] = {}
+        # Per step's metadata object (two where the windowed layers have a view of their own,
+        # AttentionMetadata.windowed), the decode plans by window.
+        self._steps: dict[
+            int, tuple[AttentionMetadata, dict[int | None, _DecodeGather | _KernelDecodes | None]]
+        ] = {}
 
     def __call__(
         self,
@@ -112,21 +116,25 @@ class WindowedAttention:
         *,
         decode_kernel: bool = False,  # the C decode kernel takes the decode rows (CPU)
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        if self._metadata is not metadata:
-            self._metadata, self._plans = metadata, {}
-        if window not in self._plans:
-            self._plans[window] = (
+        held = self._steps.get(id(metadata))
+        if held is None or held[0] is not metadata:
+            if len(self._steps) >= 2:
+                self._steps.clear()
+            held = self._steps[id(metadata)] = (metadata, {})
+        plans = held[1]
+        if window not in plans:
+            plans[window] = (
                 _plan_kernel_decodes(metadata, window)
                 if decode_kernel
                 else _plan_decodes(metadata, window, k_cache.shape[1])
             )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        plan = self._plans[window]
+        plan = plans[window]
         if isinstance(plan, _KernelDecodes):
             from kernels import cpu_paged_decode_attention as cpu_kernel
 
             cpu_kernel.paged_decode_attention_cpu(
-                q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous(),
+                heads_contiguous(q),
                 k_cache,
                 v_cache,
                 plan.block_tables,

@@ -78,6 +78,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property
+    def kv_window(self) -> int | None:
+        """The window of the windowed layers, when some layers have one and all of those share it:
+        their KV blocks come from a pool of their own that frees what falls out of the window
+        (engine.block_manager). None: every layer keeps every block."""
+        windows = {w for w in self.layer_windows if w is not None}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def max_model_len(self) -> int:
         # The rule the web tier applies too (engine.rules.model_context_length).
         return model_context_length(

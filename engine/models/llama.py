@@ -107,6 +107,8 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        if self.window is not None and metadata.windowed is not None:
+            metadata = metadata.windowed  # this layer's K/V lives in the window pool
         qkv = self.qkv_proj(x)
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads(qkv, self.q_norm, self.k_norm)
