@@ -140,8 +140,12 @@ def resolve_num_blocks(
         budget = _profile_gpu_kv_bytes(config, model, max_model_len, sampler)
     num_blocks = budget // per_block
     num_window_blocks = 0
-    if need and num_blocks > need:
-        windowed = sum(1 for w in mc.layer_windows if w is not None)
+    windowed = sum(1 for w in mc.layer_windows if w is not None)
+    if need and windowed == mc.num_layers:
+        # Every layer windowed: the main table only names positions (hashes, slots), no K/V.
+        num_window_blocks = num_blocks
+        num_blocks = 2 * sched.max_num_seqs * -(-max_model_len // cache.block_size)
+    elif need and num_blocks > need:
         window_bytes = per_block * windowed // mc.num_layers
         num_window_blocks = need
         num_blocks = (budget - need * window_bytes) // (per_block - window_bytes)

@@ -250,3 +250,44 @@ def test_the_main_pool_takes_what_the_windowed_layers_no_longer_need(tiny_gemma3
     assert main >= 0.95 * single_pool * model.config.num_layers / (model.config.num_layers - windowed)
     per_layer = kv_cache_bytes_per_block(model, 16) // model.config.num_layers
     assert main * per_layer * (model.config.num_layers - windowed) + window * per_layer * windowed <= budget
+
+
+def test_a_model_windowed_in_every_layer_keeps_all_its_kv_in_the_window_pool(
+    tiny_gemma3_dir: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.engine_setup import resolve_num_blocks
+    from engine.model_runner import kv_cache_bytes_per_block
+    from engine.models import load_model
+
+    model_dir = tmp_path / "all-windowed"
+    shutil.copytree(tiny_gemma3_dir, model_dir)
+    config_path = model_dir / "config.json"
+    raw = json.loads(config_path.read_text())
+    raw["layer_types"] = ["sliding_attention"] * raw["num_hidden_layers"]
+    config_path.write_text(json.dumps(raw))
+    model = load_model(model_dir, TorchAttentionBackend())
+    budget = 1024**2  # 128 blocks of every layer, fewer than 4 sequences of 512 could fill
+    config = EngineConfig(
+        model=str(model_dir),
+        cache=CacheConfig(kv_cache_memory_bytes=budget),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+    )
+    main, window = resolve_num_blocks(config, model, model.model.embed_tokens.weight.device, 512, None)
+    assert window == budget // kv_cache_bytes_per_block(model, 16)  # the whole budget
+    assert main == 2 * 4 * 512 // 16  # positions only: no layer stores K/V there
+    llm = LLM(
+        str(model_dir),
+        kv_cache_memory_bytes=budget,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+    )
+    assert {k.shape[0] for k, _ in llm.engine.runner.kv_caches} == {window + 1}
+    rec = Recorder(llm)
+    llm.generate(_prompts([70, 40], seed=13), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert rec.check_against(model_dir) > 0
