@@ -148,8 +148,9 @@ class StructuredOutputConfig:
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """Speculative decoding by n-gram prompt lookup (engine.speculative): drafts copied from the
-    sequence's own prompt and output, verified in one forward of the model."""
+    """Speculative decoding (engine.speculative): drafts copied from the sequence's own prompt and
+    output by n-gram lookup, or decoded by a smaller draft model of the same tokenizer
+    (engine.draft_model), verified in one forward of the model."""
 
     # Tokens proposed (and verified) per step at most.
     num_speculative_tokens: int = 4
@@ -160,8 +161,14 @@ class SpeculativeConfig:
     # `acceptance_window` drafted tokens) stops speculating for a while (engine.speculative).
     min_acceptance: float = 0.3
     acceptance_window: int = 16
+    # A model directory whose greedy decoding proposes the drafts instead of n-gram lookup, and
+    # the blocks of its own KV cache (engine.draft_model).
+    draft_model: str | None = None
+    draft_num_blocks: int = 1024
 
     def __post_init__(self) -> None:
+        if self.draft_num_blocks < 1:
+            raise ConfigError(f"draft_num_blocks must be >= 1, got {self.draft_num_blocks}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:

@@ -55,7 +55,21 @@ class LLMEngine:
         )
         self.speculator: Speculator | None = None
         if config.speculative is not None:
-            self.speculator = Speculator(config.speculative, self.max_model_len)
+            draft_model = None
+            if config.speculative.draft_model is not None:
+                from engine.draft_model import DraftModel
+
+                weight = setup.model.model.embed_tokens.weight
+                draft_model = DraftModel(
+                    config.speculative.draft_model,
+                    vocab_size=setup.model_config.vocab_size,
+                    device=weight.device,
+                    dtype=weight.dtype,
+                    max_model_len=self.max_model_len,
+                    num_blocks=config.speculative.draft_num_blocks,
+                    block_size=config.cache.block_size,
+                )
+            self.speculator = Speculator(config.speculative, self.max_model_len, draft_model)
             self.speculator.grammar_prefix = self.grammars.draft_prefix
         self.scheduler = Scheduler(
             setup.scheduler_config,

@@ -278,6 +278,8 @@ ENGINE_SETTINGS = {
     "num_speculative_tokens": "int",
     "prompt_lookup_min": "int",
     "prompt_lookup_max": "int",
+    "speculative_draft_model": "text",
+    "speculative_draft_blocks": "int",
     "enforce_eager": "switch",
     "no_prefix_caching": "switch",
     "enable_lora": "switch",

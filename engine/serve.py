@@ -125,7 +125,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="CPU ms one step's masks for one request may take (mask cost x n)",
     )
     grammar.add_argument("--grammar-cache-bytes", type=parse_size, default=bounds.cache_bytes)
-    spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup)")
+    spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup, or a draft model)")
     spec_defaults = SpeculativeConfig()
     spec.add_argument(
         "--num-speculative-tokens",
@@ -145,6 +145,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=int,
         default=spec_defaults.prompt_lookup_max,
         help="longest suffix n-gram looked up",
+    )
+    spec.add_argument(
+        "--speculative-draft-model",
+        default=None,
+        help="a smaller model of the same tokenizer whose greedy decoding proposes the drafts"
+        " instead of n-gram lookup (with --num-speculative-tokens)",
+    )
+    spec.add_argument(
+        "--speculative-draft-blocks",
+        type=int,
+        default=spec_defaults.draft_num_blocks,
+        help="KV cache blocks of the draft model",
     )
     redis_opts = parser.add_argument_group("Redis")
     redis_opts.add_argument(
@@ -242,6 +254,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
+        draft_model=args.speculative_draft_model,
+        draft_num_blocks=args.speculative_draft_blocks,
     )
 
 

@@ -116,9 +116,13 @@ def may_speculate(params: Any, num_output_tokens: int) -> bool:
 class Speculator:
     """The engine's drafts: proposed at schedule time, recorded after verification."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft_model: Any = None) -> None:
+        """``draft_model``: an engine.draft_model.DraftModel proposing the drafts, or None for
+        n-gram lookup."""
         self.config = config
         self.max_model_len = max_model_len
+        self.draft_model = draft_model
+        self._drafts_since_release = 0
         self.stats = SpeculationStats()
         # Cuts a draft to the prefix that a constrained sequence's grammar accepts (set by the
         # engine: its structured outputs); returns that prefix's length.
@@ -141,8 +145,15 @@ class Speculator:
             limit = min(limit, params.max_tokens - num_output - 1)
         if limit <= 0:
             return []
-        tokens = state.sync(seq.token_ids)
-        draft = propose_ngram(tokens, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if self.draft_model is not None:
+            self._drafts_since_release += 1
+            if self._drafts_since_release >= 64:  # finished sequences' KV in the draft pool
+                self._drafts_since_release = 0
+                self.draft_model.release_finished()
+            draft = self.draft_model.propose(seq, limit)
+        else:
+            tokens = state.sync(seq.token_ids)
+            draft = propose_ngram(tokens, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if draft and self.grammar_prefix is not None:
             del draft[self.grammar_prefix(seq, draft) :]
         return draft
