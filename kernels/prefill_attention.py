@@ -6,6 +6,10 @@ PagedAttention (Kwon et al., SOSP 2023). Sequence i's query_len new tokens sit a
 seq_len - query_len .. seq_len - 1; their K/V are already in the cache (the store kernel runs
 first), so every query attends over the paged cache with one causal limit: key position <= its own.
 A decode row is simply a sequence with query_len 1, so mixed batches need no second kernel.
+
+Gemma's layers: with a sliding window each query sees only its last `window` positions (the key
+loop starts at the tile's first window), and with a soft cap the scores become
+softcap * tanh(score / softcap) before the softmax, both as transformers computes them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ def _prefill_attention_kernel(
     max_blocks,
     out_ptr,
     qk_scale,
+    sm_scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -56,6 +63,8 @@ def _prefill_attention_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -91,8 +100,12 @@ def _prefill_attention_kernel(
     block_table_row = block_tables_ptr + seq * stride_bts
     # Keys past the tile's last query are masked for every row: stop there.
     kv_end = tl.minimum(seq_len, context_len + (pid_m + 1) * BLOCK_M)
+    kv_start = 0
+    if HAS_WINDOW:
+        # Keys before the tile's first query's window are masked for every row: start there.
+        kv_start = tl.maximum(context_len + pid_m * BLOCK_M - window + 1, 0)
 
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         pos = start + offs_n
         mask_n = pos < kv_end
         k, v = load_kv_tile(
@@ -119,17 +132,33 @@ def _prefill_attention_kernel(
             UPCAST_DOT,
         )
 
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if HAS_SOFTCAP:
+            score = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflowing gives 1).
+            capped = softcap * (1.0 - 2.0 / (tl.exp(2.0 * score / softcap) + 1.0))
+            qk = capped * 1.4426950408889634  # log2 units
+        else:
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         causal = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        if HAS_WINDOW:
+            causal = causal & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(causal, qk, float("-inf"))
-        # Position 0 is visible to every row (padded rows included), so the first tile makes m finite.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        if HAS_WINDOW:
+            # A row may see nothing in a tile before its window starts: -inf - -inf would be NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+        else:
+            # Position 0 is visible to every row (padded rows included), so the first tile makes m finite.
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_WINDOW:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # padded rows past the query saw no key
     acc = acc / l_i[:, None]
     out_ptrs = (
         out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
@@ -150,11 +179,18 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int = 64,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-    """Causal attention of every new token over its sequence's paged context.
+    """Causal attention of every new token over its sequence's paged context; with `window`, over
+    its last `window` positions only; with `softcap`, the scores capped (Gemma).
 
     Pass `max_query_len` (a host int) to avoid a device sync; it sizes the grid.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     check_float("q", q)
     for name, t in (
         ("query_start_loc", query_start_loc),
@@ -222,6 +258,9 @@ def prefill_attention(
         block_tables.shape[1],
         out,
         scale * LOG2E,
+        scale,
+        window or 0,
+        softcap or 1.0,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -235,5 +274,7 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         UPCAST_DOT=upcast_dot,
         DOT_PRECISION=dot_precision,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     return out

@@ -41,8 +41,13 @@ def ref_paged_attention(
     seq_lens: torch.Tensor,  # (num_seqs,) int: context length including the new tokens
     block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim), dtype of q
-    """Each new query attends to every cached position up to and including its own (causal).
+    """Each new query attends to every cached position up to and including its own (causal), or
+    with a `window` to its last `window` positions; with a `softcap` the scores are capped as
+    softcap * tanh(score / softcap) before the softmax.
 
     The new tokens' K/V must already be in the cache. Softmax runs in float32.
     """
@@ -68,11 +73,14 @@ def ref_paged_attention(
         context_len = seq_len - query_len
         for j in range(query_len):
             visible = context_len + j + 1  # causal: positions 0..context_len + j
+            first = 0 if window is None else max(0, visible - window)
             for h in range(num_heads):
                 kv_head = h // group
-                scores = (k_seq[:visible, kv_head] @ q[q_start + j, h].float()) * scale  # (visible,)
+                scores = (k_seq[first:visible, kv_head] @ q[q_start + j, h].float()) * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 probs = torch.softmax(scores, dim=0)
-                out[q_start + j, h] = probs @ v_seq[:visible, kv_head]
+                out[q_start + j, h] = probs @ v_seq[first:visible, kv_head]
     return out.to(q.dtype)
 
 

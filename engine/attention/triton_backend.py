@@ -2,7 +2,8 @@
 
 Each step stores the new K/V first, then runs the split-KV decode kernel for decode-only steps and
 the varlen prefill kernel otherwise; the prefill kernel treats decode rows as one-token queries, so
-mixed batches (chunked prefill beside running decodes) need a single launch.
+mixed batches (chunked prefill beside running decodes) need a single launch. Gemma's windowed and
+soft-capped layers take the prefill kernel for every step, with its window and cap.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.windowed import WindowedAttention, needs_exact_attention
+from engine.attention.windowed import needs_exact_attention
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
 from kernels.store_kvcache import store_kvcache
@@ -25,7 +26,6 @@ class TritonAttentionBackend:
         if decode_split_size < 1:
             raise ValueError(f"decode_split_size must be >= 1, got {decode_split_size}")
         self.decode_split_size = decode_split_size
-        self._windowed = WindowedAttention()  # Gemma's windowed and soft-capped layers
 
     def forward(
         self,
@@ -44,9 +44,21 @@ class TritonAttentionBackend:
         if not kv_stored:
             store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
         if needs_exact_attention(metadata, window, softcap):
-            # The kernels have neither a window nor a cap: the plain torch form (no CUDA graphs;
-            # engine_setup captures none for such models).
-            return self._windowed(q, k_cache, v_cache, metadata, scale, window, softcap)
+            # Gemma's window and cap: the prefill kernel takes both, decode rows included, in one
+            # launch. (The choice follows the step's longest context on the host, so engine_setup
+            # captures no CUDA graphs for such models.)
+            return prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_tables,
+                scale,
+                max_query_len=metadata.max_query_len,
+                window=window,
+                softcap=softcap,
+            )
         if metadata.is_pure_decode:
             assert q.shape[0] == metadata.num_seqs, "a decode-only step has one query row per sequence"
             return paged_decode_attention(

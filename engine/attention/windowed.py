@@ -1,7 +1,8 @@
-"""Attention with a sliding window and soft-capped scores (Gemma 2 and 3), in plain torch on any device.
+"""Attention with a sliding window and soft-capped scores (Gemma 2 and 3) for the torch backend.
 
-Neither the C kernels nor the Triton ones take a window or a cap, so both backends hand such a
-layer here whenever it needs one (`needs_exact_attention`). The scores are scaled, capped, masked,
+The C prefill kernel takes neither a window nor a cap, so the torch backend hands such a layer
+here whenever it needs one (`needs_exact_attention`); the Triton backend has them in its prefill
+kernel (kernels.prefill_attention). The scores are scaled, capped, masked,
 softmaxed in float32 and cast back before the values, in the order transformers computes them, and
 only the blocks a sequence's window reaches are read:
 

@@ -197,14 +197,20 @@ def _checked_each_step(llm: LLM, seen: list[int]) -> None:
     sched.update_from_output = update
 
 
-@pytest.mark.parametrize("arch", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize(
+    ("arch", "backend"),
+    [("tiny_gemma2_dir", "torch"), ("tiny_gemma3_dir", "torch"), ("tiny_gemma2_dir", "triton")],
+)
 def test_long_sequences_run_in_a_small_window_pool_and_match_transformers(
-    arch: str, request: pytest.FixtureRequest
+    arch: str, backend: str, request: pytest.FixtureRequest
 ) -> None:
+    """On the torch backend (CPU) and the Triton kernels (the GPU's; interpreted without one)."""
     model_dir: Path = request.getfixturevalue(arch)
     # 4 sequences of up to 130 tokens need 36 blocks of 16 in the full layers; the windowed
     # layers (a 32-token window) get a pool of 4 x 4 + 3 = 19 blocks.
-    llm = LLM(str(model_dir), num_blocks=64, max_num_seqs=4, max_num_batched_tokens=48)
+    llm = LLM(
+        str(model_dir), num_blocks=64, max_num_seqs=4, max_num_batched_tokens=48, attention_backend=backend
+    )
     bm = llm.engine.scheduler.block_manager
     assert bm.windowed is not None and bm.windowed.num_total_blocks == 19 and bm.num_total_blocks == 64
     assert llm.engine.runner.kv_caches[0][0].shape[0] == 20  # layer 0 is windowed: 19 + scratch

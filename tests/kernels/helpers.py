@@ -118,11 +118,12 @@ def make_paged_batch(
     )
 
 
-def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """The torch reference's attention output for a batch made by make_paged_batch."""
+def reference_attention(batch: PagedBatch, scale: float, **kwargs) -> torch.Tensor:
+    """The torch reference's attention output for a batch made by make_paged_batch (``window``,
+    ``softcap``: see ref_paged_attention)."""
     from kernels.reference import ref_paged_attention
 
-    return ref_paged_attention(*batch.attention_args, scale)
+    return ref_paged_attention(*batch.attention_args, scale, **kwargs)
 
 
 def at_one_and_two_threads(fn, *args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,6 +52,25 @@ def test_prefill_matches_the_reference_on_a_mixed_batch(device, dtype, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "softcap"), [(7, None), (40, None), (None, 2.5), (40, 2.5), (1, None)])
+@pytest.mark.parametrize(("block_m", "block_n"), [(None, 64), (64, 16)])
+def test_a_sliding_window_and_soft_capped_scores_match_the_reference(
+    device, dtype, window, softcap, block_m, block_n
+):
+    """Gemma's layers: each query sees its last `window` positions (tiles of keys before a row's
+    window, and rows that see nothing in a tile, included), its scores capped before the softmax."""
+    batch = _batch(MIXED, group=4, dtype=dtype, device=device, seed=3)
+    scale = 32**-0.5
+
+    out = _prefill(batch, scale, window=window, softcap=softcap, block_m=block_m, block_n=block_n)
+
+    assert_close(out, reference_attention(batch, scale, window=window, softcap=softcap), dtype)
+    if window is not None or softcap is not None:  # the options change the answer
+        assert not torch.allclose(out.float(), reference_attention(batch, scale).float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_300_token_prompt_from_scratch_is_causal_across_many_tiles(device):
     batch = _batch([(300, 300)], group=4, dtype=torch.float32, device=device)
 
