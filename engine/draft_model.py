@@ -93,6 +93,7 @@ class DraftModel:
             token = out.sampled_token_ids[shadow.seq_id][0]
             shadow.append_token(token)
             draft.append(token)
+        self.runner.free(shadow.seq_id)  # its per-sequence sampling state: a new shadow next time
         return draft
 
     def _shadow(self, seq: Any) -> Sequence:

@@ -249,6 +249,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
     if args.num_speculative_tokens < 0:
         raise ConfigError(f"num_speculative_tokens must be >= 0, got {args.num_speculative_tokens}")
     if args.num_speculative_tokens == 0:
+        if args.speculative_draft_model is not None:
+            raise ConfigError("--speculative-draft-model needs --num-speculative-tokens (the draft's length)")
         return None
     return SpeculativeConfig(
         num_speculative_tokens=args.num_speculative_tokens,

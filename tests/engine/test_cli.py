@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from engine.config import ConfigError
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -91,6 +95,22 @@ def test_speculation_is_off_unless_the_serve_options_ask_for_it():
     assert engine_config_from_args(args).speculative == SpeculativeConfig(
         num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=4
     )
+    args = build_parser().parse_args(
+        [
+            *base,
+            "--num-speculative-tokens",
+            "3",
+            "--speculative-draft-model",
+            "/draft",
+            "--speculative-draft-blocks",
+            "99",
+        ]
+    )
+    assert engine_config_from_args(args).speculative == SpeculativeConfig(
+        num_speculative_tokens=3, draft_model="/draft", draft_num_blocks=99
+    )
+    with pytest.raises(ConfigError, match="needs --num-speculative-tokens"):
+        engine_config_from_args(build_parser().parse_args([*base, "--speculative-draft-model", "/draft"]))
 
 
 def test_a_bad_speculation_setting_exits_with_a_clear_message(tmp_path):

@@ -57,6 +57,7 @@ def test_the_model_as_its_own_draft_has_every_draft_accepted(tiny_llama_dir: Pat
     draft = fast.speculator.draft_model
     draft.release_finished()  # every sequence finished: the draft pool is empty again
     assert draft.num_shadows == 0 and draft.blocks.num_free_blocks == draft.blocks.num_total_blocks
+    assert not draft.runner._generators  # no per-call state left behind
 
 
 def test_a_draft_model_that_misses_leaves_the_outputs_unchanged(
