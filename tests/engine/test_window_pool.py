@@ -148,9 +148,9 @@ def test_random_operations_keep_both_pools_consistent_and_the_windows_kv_correct
             seq.num_computed_tokens += 1
             bm.cache_full_blocks(seq)
             bm.release_out_of_window(seq)
-        elif op[0] in ("step", "draft") and live:
+        elif op[0] == "step" and live:
             seq = live[op[1] % len(live)]
-            n = op[2] + (op[3] if op[0] == "draft" else 0)
+            n = op[2]
             while seq.num_tokens < seq.num_computed_tokens + n:
                 seq.append_token(seq.num_tokens % 2)
             if not bm.can_allocate(seq, n):
@@ -159,13 +159,34 @@ def test_random_operations_keep_both_pools_consistent_and_the_windows_kv_correct
             bm.allocate(seq, n)
             check_readable(seq)
             write(seq, start, start + n)
-            if op[0] == "draft":  # only op[2] positions accepted; the rest rolled back
-                seq.num_computed_tokens += op[2]
-                bm.trim(seq, seq.num_computed_tokens + 1)
+            seq.num_computed_tokens += n
+            bm.cache_full_blocks(seq)
+            bm.release_out_of_window(seq)
+        elif op[0] == "draft" and live:
+            # A decoding sequence verifies its last token and a draft of op[3] tokens, of which
+            # the first op[2] - 1 are accepted; the rejected ones differ from what follows them
+            # (the sample at the first rejected position), so stale KV would show.
+            seq = live[op[1] % len(live)]
+            if seq.num_tokens != seq.num_computed_tokens + 1:
+                continue
+            accepted = min(op[2] - 1, op[3])
+            for i in range(op[3]):
+                token = seq.num_tokens % 2
+                seq.append_token(token if i < accepted else 1 - token)
+            n = 1 + op[3]
+            if not bm.can_allocate(seq, n):
                 del seq._token_ids[seq.num_computed_tokens + 1 :]
                 del seq.output_token_ids[len(seq._token_ids) - seq.num_prompt_tokens :]
-            else:
-                seq.num_computed_tokens += n
+                continue
+            start = seq.num_computed_tokens
+            bm.allocate(seq, n)
+            check_readable(seq)
+            write(seq, start, start + n)
+            seq.num_computed_tokens = start + 1 + accepted
+            bm.trim(seq, seq.num_computed_tokens + 1)
+            del seq._token_ids[seq.num_computed_tokens :]  # the rejected drafts
+            del seq.output_token_ids[len(seq._token_ids) - seq.num_prompt_tokens :]
+            seq.append_token(seq.num_tokens % 2)  # the sample after the accepted ones
             bm.cache_full_blocks(seq)
             bm.release_out_of_window(seq)
         elif op[0] == "free" and live:
