@@ -43,23 +43,11 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         if not kv_stored:
             store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        if needs_exact_attention(metadata, window, softcap):
-            # Gemma's window and cap: the prefill kernel takes both, decode rows included, in one
-            # launch. (The choice follows the step's longest context on the host, so engine_setup
-            # captures no CUDA graphs for such models.)
-            return prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                metadata.query_start_loc,
-                metadata.seq_lens,
-                metadata.block_tables,
-                scale,
-                max_query_len=metadata.max_query_len,
-                window=window,
-                softcap=softcap,
-            )
-        if metadata.is_pure_decode:
+        # Gemma's window and cap, where a layer needs them this step: the prefill kernel takes both,
+        # decode rows included, in one launch. (The choice follows the step's longest context on
+        # the host, so engine_setup captures no CUDA graphs for such models.)
+        exact = needs_exact_attention(metadata, window, softcap)
+        if metadata.is_pure_decode and not exact:
             assert q.shape[0] == metadata.num_seqs, "a decode-only step has one query row per sequence"
             return paged_decode_attention(
                 q,
@@ -80,4 +68,6 @@ class TritonAttentionBackend:
             metadata.block_tables,
             scale,
             max_query_len=metadata.max_query_len,
+            window=window if exact else None,
+            softcap=softcap,
         )
