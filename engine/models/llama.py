@@ -8,6 +8,7 @@ fused (q|k|v and gate|up) so each layer runs two large matmuls instead of five s
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import cast
 
@@ -20,7 +21,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.config import ModelConfig
 from engine.models.moe import SparseMoeBlock
 from engine.models.rope import RotaryEmbedding, uses_long_factors
-from kernels import cpu_fused
+from kernels import cpu_decode_layer, cpu_fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -314,6 +315,10 @@ class LlamaForCausalLM(nn.Module):
         # oneDNN's packed copy of the logits weight for narrow batches, set by the loader on CPU.
         self.packed_logits_weight: torch.Tensor | None = None
         self.packed_max_rows = 0  # batches of up to this many rows use packed_logits_weight
+        # Decode steps of up to cpu_decode_layer.MAX_ROWS sequences on CPU in float32: each layer in
+        # one C call (set by _use_fused where the model's layers are the plain kind it computes).
+        self._decode_layers: cpu_decode_layer.DecodeLayers | None = None
+        self._decode_layers_linear: nn.Module | None = None  # the first layer's qkv_proj it read
 
     def _use_fused(self, device: torch.device) -> None:
         """Norms, MLP activations and the rotary embedding with the K/V store take the fused
@@ -346,6 +351,66 @@ class LlamaForCausalLM(nn.Module):
                     and module.rotary_dim == module.head_dim
                 )
                 module.fused = kernels if on else None
+        self._decode_layers = (
+            self._make_decode_layers() if kernels is cpu_fused and dtype == torch.float32 else None
+        )
+
+    def _make_decode_layers(self) -> cpu_decode_layer.DecodeLayers | None:
+        """The layers as one C call each for the narrowest decode steps (kernels.cpu_decode_layer),
+        where every layer is the plain kind that kernel computes: dense SwiGLU MLP, whole-head
+        rotary embedding, no sliding window, soft cap, head norms or Gemma norms, plain linears
+        (LoRA's wrappers keep the layer-by-layer path), and the torch attention backend.
+        PAGODA_CPU_DECODE_LAYER=0 keeps the layer-by-layer path."""
+        cfg = self.config
+        if (
+            os.environ.get("PAGODA_CPU_DECODE_LAYER", "1") == "0"
+            or cfg.gemma
+            or cfg.qk_norm
+            or cfg.attn_logit_softcap
+            or self.rotary_local is not None
+            or not isinstance(self.backend, TorchAttentionBackend)
+            or not cpu_decode_layer.available()
+        ):
+            return None
+        weights: list[cpu_decode_layer.LayerWeights] = []
+        layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, LlamaMLP):
+                return None
+            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            if (
+                mlp.gelu
+                or attn.window is not None
+                or attn.rotary_dim != attn.head_dim
+                or layer.input_layernorm.unit_offset
+                or layer.pre_feedforward_layernorm is not None
+                or not all(isinstance(m, nn.Linear) for m in linears)
+                or any(m.bias is not None for m in linears[1:])
+                or not all(m.weight.is_contiguous() for m in linears)
+            ):
+                return None
+            weights.append(
+                cpu_decode_layer.LayerWeights(
+                    input_norm=layer.input_layernorm.weight,
+                    post_attention_norm=layer.post_attention_layernorm.weight,
+                    qkv=attn.qkv_proj.weight,
+                    qkv_bias=attn.qkv_proj.bias,
+                    o=attn.o_proj.weight,
+                    gate_up=mlp.gate_up_proj.weight,
+                    down=mlp.down_proj.weight,
+                )
+            )
+        first = layers[0].self_attn
+        self._decode_layers_linear = first.qkv_proj
+        return cpu_decode_layer.DecodeLayers(
+            weights,
+            eps=cfg.rms_norm_eps,
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            scale=first.scale,
+        )
 
     @torch.inference_mode()
     def forward(
@@ -360,6 +425,27 @@ class LlamaForCausalLM(nn.Module):
         tables = [self._cos_sin(positions, metadata.max_seq_len, x.dtype)]
         if self.rotary_local is not None:
             tables.append(self._cos_sin(positions, metadata.max_seq_len, x.dtype, local=True))
+        fast = self._decode_layers
+        if (
+            fast is not None
+            and metadata.max_query_len == 1
+            and x.shape[0] <= cpu_decode_layer.MAX_ROWS
+            and metadata.windowed is None
+            and cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj is self._decode_layers_linear
+        ):  # (the last: no LoRA wrapper has replaced the linears the kernel reads since)
+            cos, sin_signed = tables[0]
+            return self.model.norm(
+                x,
+                fast.forward(
+                    x,
+                    cos,
+                    sin_signed,
+                    kv_caches,
+                    metadata.slot_mapping,
+                    metadata.block_tables,
+                    metadata.seq_lens,
+                ),
+            )
         delta = None
         for layer, kv_cache, local in zip(self.model.layers, kv_caches, self._local_layers, strict=True):
             cos, sin_signed = tables[1 if local else 0]

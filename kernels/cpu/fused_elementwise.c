@@ -43,6 +43,20 @@ static inline void silu_mul_row_f32(const float *g, const float *u, float *o, in
     for (; i < width; i++) o[i] = g[i] / (1.0f + exp_scalar(-g[i])) * (u ? u[i] : 1.0f);
 }
 
+/* One float32 row of rms_norm: with delta, xr += delta first (in place), then o = w * xr / rms(xr). */
+static inline void rms_norm_row_f32(float *xr, const float *dr, const float *w, float *o, int64_t dim, float eps) {
+    float sum = 0.0f;
+    if (dr) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) xr[i] += dr[i];
+    }
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < dim; i++) sum += xr[i] * xr[i];
+    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+}
+
 void rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t dim,
               float eps, int is_bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim > 32768)
@@ -50,19 +64,8 @@ void rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t
         int64_t base = r * dim;
         float sum = 0.0f;
         if (!is_bf16) {
-            float *xr = (float *)x + base;
-            if (delta) {
-                const float *dr = (const float *)delta + base;
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) xr[i] += dr[i];
-            }
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < dim; i++) sum += xr[i] * xr[i];
-            float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-            const float *w = (const float *)weight;
-            float *o = (float *)out + base;
-#pragma omp simd
-            for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+            rms_norm_row_f32((float *)x + base, delta ? (const float *)delta + base : NULL, (const float *)weight,
+                             (float *)out + base, dim, eps);
         } else {
             /* A chunk of the row at a time through float32 scratch on the thread's stack: rows of
              * any width, and a row that fits one chunk is read once. */

@@ -272,6 +272,50 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 }
 #endif
 
+/* Per thread scratch of attend_one, in floats: the AVX-512 path's partial products (num_heads tiles
+ * of 16 vectors, first, so they are 64-byte aligned), then scores, accumulators, the scaled query
+ * and a row buffer. */
+static inline size_t attend_scratch_floats(int num_heads, int num_kv_heads, int head_dim, int max_len) {
+    const size_t per_head = (size_t)num_heads * head_dim;
+    return (size_t)num_heads * 16 * 16 + (size_t)num_heads * max_len + 2 * per_head + (size_t)num_kv_heads * head_dim;
+}
+
+/* One sequence's attention, every head, into its row of out: the AVX-512 path for head sizes 64 and
+ * 128, else the portable loop (copies with a constant head_dim where it is a common one, which the
+ * compiler unrolls into whole vector registers). buffer: attend_scratch_floats, 64-byte aligned. */
+static void attend_one(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
+                       const int32_t *table, int seq_len, int start, float softcap, int64_t row, int num_heads,
+                       int num_kv_heads, int head_dim, int block_size, float scale, void *out, float *buffer,
+                       int max_len) {
+    const size_t per_head = (size_t)num_heads * head_dim;
+    float *scores = buffer + (size_t)num_heads * 16 * 16;
+    float *acc = scores + (size_t)num_heads * max_len, *qf = acc + per_head, *rowbuf = qf + per_head;
+#ifdef __AVX512F__
+    if (num_heads <= 512 && (head_dim == 64 || head_dim == 128)) {
+        if (head_dim == 64)
+            attend_seq_avx512(4, q, q_stride, k_cache, v_cache, is_bf16, table, seq_len, start, softcap, row, num_heads,
+                              num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
+        else
+            attend_seq_avx512(8, q, q_stride, k_cache, v_cache, is_bf16, table, seq_len, start, softcap, row, num_heads,
+                              num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
+        return;
+    }
+#endif
+    switch (head_dim) {
+    case 64:
+        attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_len, start, softcap, row, num_heads, num_kv_heads, 64,
+                   block_size, scale, out, scores, acc, qf, rowbuf);
+        break;
+    case 128:
+        attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_len, start, softcap, row, num_heads, num_kv_heads, 128,
+                   block_size, scale, out, scores, acc, qf, rowbuf);
+        break;
+    default:
+        attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_len, start, softcap, row, num_heads, num_kv_heads,
+                   head_dim, block_size, scale, out, scores, acc, qf, rowbuf);
+    }
+}
+
 /* Returns 0 on success, 1 when a size is beyond this kernel's limits, 2 when out of memory, and
  * PAGED_BAD_* (paged_bounds.h) when an input would send it out of bounds; nothing is read or
  * written then. The caches hold num_blocks blocks, q and out num_rows rows, and each block table
@@ -293,12 +337,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     int max_len = 1;
     for (int i = 0; i < num_seqs; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
-    const size_t per_head = (size_t)num_heads * head_dim;
-    /* Per thread: the AVX-512 path's partial products (num_heads tiles of 16 vectors, first, so
-     * they are 64-byte aligned), then scores, accumulators, the scaled query and a row buffer. */
-    const size_t partial_floats = (size_t)num_heads * 16 * 16;
-    const size_t scratch = partial_floats + (size_t)num_heads * max_len + 2 * per_head + (size_t)num_kv_heads * head_dim;
-    const size_t scratch_bytes = (scratch * sizeof(float) + 63) / 64 * 64;
+    const size_t scratch_bytes = (attend_scratch_floats(num_heads, num_kv_heads, head_dim, max_len) * sizeof(float) + 63) / 64 * 64;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -310,37 +349,9 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 failed = 2;
                 continue;
             }
-            float *scores = buffer + partial_floats;
-            float *acc = scores + (size_t)num_heads * max_len, *qf = acc + per_head, *rowbuf = qf + per_head;
-            int64_t row = rows ? rows[i] : i;
-            const int32_t *table = block_tables + (int64_t)i * bt_stride;
-            const int start = starts ? starts[i] : 0;
-#ifdef __AVX512F__
-            if (num_heads <= 512 && (head_dim == 64 || head_dim == 128)) {
-                if (head_dim == 64)
-                    attend_seq_avx512(4, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads,
-                                      num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
-                else
-                    attend_seq_avx512(8, q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads,
-                                      num_kv_heads, block_size, scale, out, scores, (__m512 *)buffer, qf);
-                continue;
-            }
-#endif
-            /* Other head sizes, and CPUs without AVX-512: copies with a constant head_dim where it
-             * is a common one, which the compiler unrolls into whole vector registers. */
-            switch (head_dim) {
-            case 64:
-                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads, num_kv_heads, 64,
-                           block_size, scale, out, scores, acc, qf, rowbuf);
-                break;
-            case 128:
-                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads, num_kv_heads, 128,
-                           block_size, scale, out, scores, acc, qf, rowbuf);
-                break;
-            default:
-                attend_seq(q, q_stride, k_cache, v_cache, is_bf16, table, seq_lens[i], start, softcap, row, num_heads, num_kv_heads,
-                           head_dim, block_size, scale, out, scores, acc, qf, rowbuf);
-            }
+            attend_one(q, q_stride, k_cache, v_cache, is_bf16, block_tables + (int64_t)i * bt_stride, seq_lens[i],
+                       starts ? starts[i] : 0, softcap, rows ? rows[i] : i, num_heads, num_kv_heads, head_dim, block_size,
+                       scale, out, buffer, max_len);
         }
         free(buffer);
     }

@@ -1,0 +1,58 @@
+"""Narrow decode steps on CPU in float32 run each decoder layer as one C call
+(kernels.cpu_decode_layer, chosen in LlamaForCausalLM._make_decode_layers): the engine's outputs are
+those of the layer-by-layer path, and models the kernel does not compute keep that path."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from kernels import cpu_decode_layer
+
+pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(), reason="no C compiler for the CPU kernels")
+
+_FORWARD = cpu_decode_layer.DecodeLayers.forward
+PROMPTS = [[5, 9, 33, 70, 12, 8, 41], [100, 3, 7] * 9, [64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74]]
+
+
+def _run(model_dir, monkeypatch, enabled: bool):
+    monkeypatch.setenv("PAGODA_CPU_DECODE_LAYER", "1" if enabled else "0")
+    calls = []
+
+    def counted(self, x, *args):
+        calls.append(x.shape[0])
+        return _FORWARD(self, x, *args)
+
+    monkeypatch.setattr(cpu_decode_layer.DecodeLayers, "forward", counted)
+    llm = LLM(str(model_dir), num_blocks=64, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+    # One sequence alone, then three together: decode steps of 1 and 3 rows.
+    outs = llm.generate(PROMPTS[:1], params) + llm.generate(PROMPTS, params)
+    return outs, calls, llm.engine.runner.model
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: a q|k|v bias
+def test_greedy_tokens_and_logprobs_are_those_of_the_layer_path(model, request, monkeypatch):
+    model_dir = request.getfixturevalue(model)
+    slow, slow_calls, _ = _run(model_dir, monkeypatch, enabled=False)
+    fast, fast_calls, fast_model = _run(model_dir, monkeypatch, enabled=True)
+
+    assert slow_calls == []
+    assert fast_model._decode_layers is not None
+    assert 1 in fast_calls and 3 in fast_calls  # both widths of decode step took the one-call layers
+    for a, b in zip(slow, fast, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+            assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
+            assert [t for t, _ in la.top_logprobs] == [t for t, _ in lb.top_logprobs]
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_mixtral_dir", "tiny_phi3_dir"])
+def test_layers_the_kernel_does_not_compute_keep_the_layer_path(model, request, monkeypatch):
+    # Qwen3: head norms; Gemma 2: windows, soft caps and its norms; Mixtral: experts; Phi-3: a
+    # partial rotary embedding.
+    outs, calls, llm_model = _run(request.getfixturevalue(model), monkeypatch, enabled=True)
+    assert llm_model._decode_layers is None
+    assert calls == []
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
