@@ -1,8 +1,8 @@
-"""A float32 decoder layer of a decode step of up to MAX_ROWS sequences in one C call
+"""A float32 decoder layer of a decode step of up to MAX_ROWS (8) sequences in one C call
 (kernels/cpu/decode_layer.c): norms, the four products, the rotary embedding, the K/V store and
 paged attention, in one OpenMP parallel region per layer.
 
-At one or two sequences a decode step streams the weights once and otherwise pays dispatch: per
+A narrow decode step streams the weights once and otherwise pays dispatch: per
 layer four oneDNN calls, four fused kernels with their wrappers and a dozen module calls (about
 3.5 ms of a 15 ms step on SmolLM2's 30 layers, 2-core EPYC). `DecodeLayers` checks the weights
 once, when it is made, and a step's inputs once per step, then calls the kernel once per layer.
@@ -23,11 +23,10 @@ import torch
 
 from kernels import _cpu_build, _cpu_paged
 
-MAX_ROWS = 4  # DECODE_LAYER_MAX_ROWS in the C source
-# The widest step the engine sends here: at 1 and 2 rows a step's layers took 0.74x and 0.91x the
-# layer path's time on SmolLM2 (2-core EPYC), at 3 and 4 rows 1.18x and 1.36x (oneDNN's packed
-# products pull ahead as rows are added).
-ENGINE_MAX_ROWS = 2
+MAX_ROWS = 8  # DECODE_LAYER_MAX_ROWS in the C source
+# The widest step the engine sends here: on SmolLM2 (2-core EPYC) a step's 30 layers took 0.70-0.93x
+# the layer path's time at every width from 1 to 8 rows.
+ENGINE_MAX_ROWS = MAX_ROWS
 _BAD_SLOT = 6  # DECODE_BAD_SLOT
 
 _P = ctypes.c_void_p

@@ -48,7 +48,7 @@ def _step(gen: torch.Generator, rows: int):
          torch.randn(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen))
         for _ in range(LAYERS)
     ]  # fmt: skip
-    lens = [1, 17, 40, 33][:rows]
+    lens = [1, 17, 40, 33, 5, 64, 2, 20][:rows]
     order = torch.randperm(BLOCKS, generator=gen)
     width = 4
     tables = torch.zeros(rows, width, dtype=torch.int32)
@@ -92,7 +92,7 @@ def _reference(layers, x, cos, sin_signed, caches, slots, tables, lens):
     return delta
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, rows, bias):
     gen = torch.Generator().manual_seed(rows + 10 * bias)
