@@ -31,21 +31,29 @@ from engine.preemption import Preemption
 from engine.protocol import ErrorCode
 from engine.request_ends import RequestEnds
 from engine.request_queue import WaitingQueue
+from engine.rules import SERVICE_TIER_PRIORITY
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import Speculator
+
+# The tier that runs on spare capacity (`flex`, the batch lines): its decodes give way to a more
+# important tier's prefill steps (TierGate).
+SPARE_CAPACITY_PRIORITY = SERVICE_TIER_PRIORITY["flex"]
 
 # A sequence dropped unstarted (its queue deadline passed): its request ends with this error code.
 FINISH_QUEUE_TIMEOUT = ErrorCode.QUEUE_TIMEOUT
 
 
 class TierGate:
-    """The prompt tokens one step gives sequences of less important tiers than its most important
-    running one (SchedulerConfig.lower_tier_prefill_tokens): none while a prompt of that tier waits
-    to start or is being computed (its time to first token), else at most `cap`."""
+    """What one step gives sequences of less important tiers than its most important running one
+    (SchedulerConfig.lower_tier_prefill_tokens): while a prompt of that tier waits to start or is
+    being computed (its time to first token), no prompt tokens, and for the spare-capacity tier
+    (`flex`) no decodes either in a step that computes such a prompt, so that its prefill carries
+    none of their rows; else at most `cap` prompt tokens."""
 
-    def __init__(self, top: int | None, left: int | None) -> None:
+    def __init__(self, top: int | None, left: int | None, prompt_first: bool = False) -> None:
         self.top, self.left = top, left
+        self.prompt_first = prompt_first  # a prompt of tier `top` waits or is being computed
 
     @classmethod
     def for_step(cls, cap: int | None, running: list[Sequence], first_waiting: Sequence | None) -> TierGate:
@@ -53,14 +61,33 @@ class TierGate:
             return cls(None, None)
         top = min(s.priority for s in running)
         if first_waiting is not None and first_waiting.priority <= top:
-            return cls(first_waiting.priority, 0)
-        prompt_in_progress = any(s.priority == top and s.num_uncomputed_tokens > 1 for s in running)
-        return cls(top, 0 if prompt_in_progress else cap)
+            return cls(first_waiting.priority, 0, prompt_first=True)
+        if any(s.priority == top and s.num_uncomputed_tokens > 1 for s in running):
+            return cls(top, 0, prompt_first=True)
+        return cls(top, cap)
 
     def allow(self, seq: Sequence, tokens: int) -> int:
         if self.left is None or self.top is None or seq.priority <= self.top:
             return tokens
         return min(tokens, self.left)
+
+    def holds_decode(self, seq: Sequence) -> bool:
+        """Whether this decode of the spare-capacity tier waits until the step is known to compute
+        no more important prompt."""
+        return (
+            self.prompt_first
+            and self.top is not None
+            and seq.priority > self.top
+            and seq.priority >= SPARE_CAPACITY_PRIORITY
+        )
+
+    def computes_prompt(self, scheduled: list[ScheduledSequence]) -> bool:
+        """Whether the step computes prompt tokens of a sequence of tier `top` or a more important one."""
+        return self.top is not None and any(
+            item.seq.priority <= self.top
+            and (item.end_pos - item.start_pos > 1 or item.start_pos < item.seq.num_prompt_tokens)
+            for item in scheduled
+        )
 
     def charge(self, seq: Sequence, tokens: int) -> None:
         if self.left is not None and self.top is not None and seq.priority > self.top:
@@ -221,11 +248,16 @@ class Scheduler:
         self.tiers = TierGate.for_step(
             self.config.lower_tier_prefill_tokens, self.running, self.waiting.peek()
         )
+        held: list[Sequence] = []  # less important decodes, granted unless a prompt goes first
         i = 0
         while i < len(order) and budget > 0:
             seq: Sequence | None = order[i]
             assert seq is not None
             uncomputed = seq.num_uncomputed_tokens
+            if uncomputed == 1 and self.tiers.holds_decode(seq):
+                held.append(seq)
+                i += 1
+                continue
             num_new = self.num_new_tokens(
                 uncomputed,
                 budget if uncomputed == 1 else self.tiers.allow(seq, min(budget, prefill_budget)),
@@ -261,6 +293,8 @@ class Scheduler:
         # admitted now.
         if made_room or not preempted:
             budget, prefill_budget = self.admission.admit(scheduled, budget, prefill_budget)
+        if held and not self.tiers.computes_prompt(scheduled):
+            budget = self._grant_held(scheduled, held, budget)
 
         return SchedulerOutput(
             scheduled=scheduled,
@@ -269,6 +303,18 @@ class Scheduler:
             finished_aborted=aborted,
             finished_expired=expired,
         )
+
+    def _grant_held(self, scheduled: list[ScheduledSequence], held: list[Sequence], budget: int) -> int:
+        """The held decodes, after all: the more important prompt did not start this step. One that
+        lost its slot to a preemption meanwhile, or finds no free block, waits for the next step."""
+        for seq in held:
+            if budget <= 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and self.block_manager.can_allocate(seq, 1):
+                self.block_manager.allocate(seq, 1)
+                self.grant(scheduled, seq, 1)
+                budget -= 1
+        return budget
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its KV, keep its outputs, requeue it ahead of new work."""

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import RequestTooLargeError
+from engine.lora.slots import LoRASlots
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -615,3 +616,49 @@ def test_a_less_important_tiers_prompts_yield_to_a_more_important_tiers_and_are_
     uncapped.add(make_seq("b", [2] * 300, max_tokens=4, priority=2))
     out, _ = step(uncapped)
     assert chunks(out) == {"i": 1, "b": 255}
+
+
+def test_flex_decodes_sit_out_the_steps_that_compute_a_more_important_prompt():
+    """A default-tier prompt's prefill step carries no flex-tier decode rows (its time to first
+    token), while the default tier's own decodes stay in it; the flex decodes run in every other
+    step, and in a step where the waiting prompt cannot start after all."""
+    sched = make_scheduler(num_blocks=400, budget=256, max_model_len=512)
+    interactive = make_seq("i", [1] * 8, max_tokens=100, priority=1)
+    line = make_seq("b", [2] * 20, max_tokens=100, priority=2)
+    sched.add(interactive)
+    sched.add(line)
+    step(sched)
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "b": 1}
+    sched.add(make_seq("i2", [3] * 100, max_tokens=100, priority=1))
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "i2": 100}  # the line's decode waits one step
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "i2": 1, "b": 1}
+    # Chunked: the line sits out every step of the prompt, and no more.
+    sched.add(make_seq("i3", [4] * 400, max_tokens=100, priority=1))
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "i2": 1, "i3": 254}
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "i2": 1, "i3": 146}
+    out, _ = step(sched)
+    assert chunks(out) == {"i": 1, "i2": 1, "i3": 1, "b": 1}
+    assert line.num_output_tokens == 4 and line.status is SequenceStatus.RUNNING  # 1 prefill, 3 decodes
+
+    # A default-tier prompt that cannot start (its adapter finds no free slot: the line holds the
+    # only one) does not hold the line's decodes back.
+    slotted = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512),
+        CacheConfig(block_size=BS),
+        400,
+        lora_slots=LoRASlots(1),
+    )
+    adapted_line = make_seq("b", [2] * 20, max_tokens=100, priority=2, lora_id=1)
+    slotted.add(make_seq("i", [1] * 8, max_tokens=100, priority=1))
+    slotted.add(adapted_line)
+    step(slotted)
+    slotted.add(make_seq("i2", [3] * 40, max_tokens=100, priority=1, lora_id=2))
+    for _ in range(3):
+        out, _ = step(slotted)
+        assert chunks(out) == {"i": 1, "b": 1}
+    assert adapted_line.num_output_tokens == 4
