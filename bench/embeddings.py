@@ -171,11 +171,11 @@ def main() -> None:
         help="minilm: all-MiniLM-L6-v2; smollm2: SmolLM2-135M embedding with last-token pooling",
     )
     args = parser.parse_args()
-    from engine.allocator import reexec_with_tcmalloc
+    from engine.allocator import reexec_as_engine_process
 
     # As an engine process runs (engine.allocator), and as vLLM's side runs (bench.common.vllm_env);
     # sentence-transformers, in this process, gets it too.
-    reexec_with_tcmalloc(sys.argv)
+    reexec_as_engine_process(sys.argv)
 
     import numpy as np
     import torch

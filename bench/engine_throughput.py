@@ -142,9 +142,9 @@ def main() -> None:
         help="SmolLM2-135M-Instruct on prompts of real text (fetched once)",
     )
     args = parser.parse_args()
-    from engine.allocator import reexec_with_tcmalloc
+    from engine.allocator import reexec_as_engine_process
 
-    reexec_with_tcmalloc(sys.argv)  # as an engine process runs (engine.allocator)
+    reexec_as_engine_process(sys.argv)  # as an engine process runs (engine.allocator)
     torch.set_num_threads(args.threads)
     model_dir = (
         real_model_dir()

@@ -52,10 +52,10 @@ def _fetch_demo_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from engine.allocator import reexec_with_tcmalloc
+    from engine.allocator import reexec_as_engine_process
     from engine.serve import run
 
-    reexec_with_tcmalloc(["-m", "engine", *sys.argv[1:]])
+    reexec_as_engine_process(["-m", "engine", *sys.argv[1:]])
 
     return run(args)
 

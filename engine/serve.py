@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine import rules
-from engine.allocator import reexec_with_tcmalloc
+from engine.allocator import reexec_as_engine_process
 from engine.config import (
     CacheConfig,
     ConfigError,
@@ -376,7 +376,7 @@ def _load_and_serve(
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None:  # a process of its own (python -m engine.serve): the allocator can be chosen
-        reexec_with_tcmalloc(["-m", "engine.serve", *sys.argv[1:]])
+        reexec_as_engine_process(["-m", "engine.serve", *sys.argv[1:]])
     return run(args)
 
 
