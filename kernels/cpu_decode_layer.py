@@ -23,10 +23,10 @@ import torch
 
 from kernels import _cpu_build, _cpu_paged
 
-MAX_ROWS = 8  # DECODE_LAYER_MAX_ROWS in the C source
-# The widest step the engine sends here: on SmolLM2 (2-core EPYC) a step's 30 layers took 0.70-0.93x
-# the layer path's time at every width from 1 to 8 rows.
-ENGINE_MAX_ROWS = MAX_ROWS
+# DECODE_LAYER_MAX_ROWS in the C source, and the widest step the engine sends here: on SmolLM2
+# (2-core EPYC) a step's 30 layers took 0.70-0.93x the layer path's time at every width from 1 to 8
+# rows; from 16 rows on oneDNN's packed products are faster.
+MAX_ROWS = 8
 _BAD_SLOT = 6  # DECODE_BAD_SLOT
 
 _P = ctypes.c_void_p

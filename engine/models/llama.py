@@ -315,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         # oneDNN's packed copy of the logits weight for narrow batches, set by the loader on CPU.
         self.packed_logits_weight: torch.Tensor | None = None
         self.packed_max_rows = 0  # batches of up to this many rows use packed_logits_weight
-        # Decode steps of up to cpu_decode_layer.ENGINE_MAX_ROWS sequences on CPU in float32: each layer in
+        # Decode steps of up to cpu_decode_layer.MAX_ROWS sequences on CPU in float32: each layer in
         # one C call (set by _use_fused where the model's layers are the plain kind it computes).
         self._decode_layers: cpu_decode_layer.DecodeLayers | None = None
         self._decode_layers_linear: nn.Module | None = None  # the first layer's qkv_proj it read
@@ -429,7 +429,7 @@ class LlamaForCausalLM(nn.Module):
         if (
             fast is not None
             and metadata.max_query_len == 1
-            and x.shape[0] <= cpu_decode_layer.ENGINE_MAX_ROWS
+            and x.shape[0] <= cpu_decode_layer.MAX_ROWS
             and metadata.windowed is None
             and cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj is self._decode_layers_linear
         ):  # (the last: no LoRA wrapper has replaced the linears the kernel reads since)

@@ -42,7 +42,7 @@ def test_greedy_tokens_and_logprobs_are_those_of_the_layer_path(model, request, 
     assert slow_calls == []
     assert fast_model._decode_layers is not None
     # Steps of 1 and 3 rows took the one-call layers; those of 10 did not.
-    assert {1, 3} <= set(fast_calls) and max(fast_calls) <= cpu_decode_layer.ENGINE_MAX_ROWS < 10
+    assert {1, 3} <= set(fast_calls) and max(fast_calls) <= cpu_decode_layer.MAX_ROWS < 10
     for a, b in zip(slow, fast, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):

@@ -92,6 +92,12 @@ def _reference(layers, x, cos, sin_signed, caches, slots, tables, lens):
     return delta
 
 
+def _decode_layers(layers: list[LayerWeights]) -> DecodeLayers:
+    return DecodeLayers(
+        layers, eps=EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=SCALE
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, rows, bias):
@@ -101,9 +107,7 @@ def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, r
     ref_x, ref_caches = x.clone(), [(k.clone(), v.clone()) for k, v in caches]
     want = _reference(layers, ref_x, cos, sin_signed, ref_caches, slots, tables, lens)
 
-    fast = DecodeLayers(
-        layers, eps=EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=SCALE
-    )
+    fast = _decode_layers(layers)
     got = fast.forward(x, cos, sin_signed, caches, slots, tables, lens)
 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -116,9 +120,7 @@ def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, r
 def test_out_of_bounds_slots_and_tables_are_refused_before_anything_is_written(cpu_kernel_build):
     gen = torch.Generator().manual_seed(7)
     layers = _layers(gen, bias=False)
-    fast = DecodeLayers(
-        layers, eps=EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=SCALE
-    )
+    fast = _decode_layers(layers)
     x, cos, sin_signed, caches, slots, tables, lens = _step(gen, 2)
     before_x, before = x.clone(), [(k.clone(), v.clone()) for k, v in caches]
 
@@ -143,9 +145,7 @@ def test_out_of_bounds_slots_and_tables_are_refused_before_anything_is_written(c
 def test_wider_steps_and_wrong_weights_are_refused(cpu_kernel_build):
     gen = torch.Generator().manual_seed(3)
     layers = _layers(gen, bias=False)
-    fast = DecodeLayers(
-        layers, eps=EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=SCALE
-    )
+    fast = _decode_layers(layers)
     x, cos, sin_signed, caches, slots, tables, lens = _step(gen, 4)
     wide = torch.randn(cpu_decode_layer.MAX_ROWS + 1, HIDDEN)
     with pytest.raises(ValueError, match="x must be"):
@@ -156,6 +156,4 @@ def test_wider_steps_and_wrong_weights_are_refused(cpu_kernel_build):
         **{**{f: getattr(layers[0], f) for f in LayerWeights.__slots__}, "o": layers[0].o.t()}
     )
     with pytest.raises(ValueError, match="layer 0 o"):
-        DecodeLayers(
-            [transposed], eps=EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=SCALE
-        )
+        _decode_layers([transposed])
