@@ -18,7 +18,7 @@ Redis, its threads hold the cores that daphne, Redis and the batch runner beside
 GOMP_SPINCOUNT at ENGINE_OMP_SPINCOUNT they still wait actively across the few microseconds between
 the regions of one step (SmolLM2's steps ran as fast: 18-19 ms at one sequence, 69-72 ms at 32,
 against 16-20 and 69-74), and sleep between steps: on a 2-core machine the stack's capacity rose
-from 648 to 677 output tok/s and a batch beside interactive traffic from 389 to 597
+from 648 to 696 output tok/s and a batch beside interactive traffic from 389 to 587
 (bench/batch.py). OMP_WAIT_POLICY=PASSIVE would sleep at once, 12-30 % slower per step. An
 environment that sets GOMP_SPINCOUNT or OMP_WAIT_POLICY itself is left as it is.
 """
