@@ -3,7 +3,9 @@
 # file in the output folder (first argument, default ./gpu-logs): the Triton kernels compiled for
 # the GPU and the engine against transformers on it (tests marked gpu; the SmolLM2 ones only where
 # the model is in the cache), then the GPU benchmarks. Runs with the python on the PATH that has
-# torch with CUDA, triton, transformers, safetensors, tokenizers and pytest; Django is not needed.
+# torch with CUDA, triton, transformers, safetensors, tokenizers, orjson and pytest; Django is not
+# needed. Wheels in .whl/ (say, orjson's, which a GPU image may lack) are installed into a folder of
+# their own on the PYTHONPATH first.
 #
 #     scripts/gpu_checks.sh /tmp/gpu-logs
 #     GPU_CHECKS="tests moe" scripts/gpu_checks.sh    # a subset: tests, moe, throughput
@@ -21,6 +23,11 @@ export PAGODA_CACHE_DIR=${PAGODA_CACHE_DIR:-/tmp/pagoda-cache}
 unset TRITON_INTERPRET
 
 budget=${GPU_CHECKS_BUDGET_S:-560}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-site .whl/*.whl \
+    && export PYTHONPATH=/tmp/gpu-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 run() {  # name, seconds, command...
   local name=$1 limit=$2

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config import SpeculativeConfig
 from engine.llm import LLM
 from engine.models.moe import SparseMoeBlock
 from engine.sampling_params import SamplingParams
@@ -151,6 +152,41 @@ def test_cuda_graph_replays_decode_what_the_eager_forward_decodes(dtype: str, ti
         same = sum(a == b for a, b in zip(ours, theirs, strict=True))
         print(f"bfloat16: {same}/{len(ours)} requests decode identically with and without graphs")
     _release(graphed, eager)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_speculation_on_cuda_decodes_the_tokens_of_plain_decoding(
+    proposer: str, tiny_llama_dir: Path
+) -> None:
+    """Verification steps (several query tokens a sequence, eager) run between the graph-replayed
+    decodes of the sequences not speculating; in float32 the greedy tokens are those of an engine
+    that never speculates, and every block goes back to the pool."""
+    kwargs = dict(device="cuda", dtype="float32", num_blocks=256, max_num_seqs=16)
+    draft = str(tiny_llama_dir) if proposer == "draft_model" else None
+    spec = SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=1, draft_model=draft, draft_num_blocks=96
+    )
+    # Repeating prompts give n-gram lookup its matches; the random ones give it none to find.
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4, *_prompts([17, 40, 9, 26], seed=23)]
+    params = [_greedy(n) for n in (40, 32, 24, 40, 16, 32)]
+    plain = LLM(str(tiny_llama_dir), **kwargs)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    fast = LLM(str(tiny_llama_dir), speculative=spec, **kwargs)
+    replays = _counting_replays(fast)
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
+    assert got == want
+    stats = fast.engine.get_stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    if proposer == "draft_model":  # the model as its own draft: its greedy tokens, up to float ties
+        assert stats["spec_acceptance_rate"] > 0.9
+    bm = fast.engine.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_total_blocks
+    print(
+        f"{proposer} on cuda: {stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} drafts "
+        f"accepted, {len(replays)} graph replays"
+    )
+    _release(plain, fast)
 
 
 def test_the_kv_cache_takes_the_configured_share_of_gpu_memory(tiny_llama_dir: Path) -> None:
