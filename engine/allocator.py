@@ -85,8 +85,9 @@ def tcmalloc_loaded() -> bool:
 
 def reexec_as_engine_process(argv: Sequence[str]) -> None:
     """Replace this process with ``argv`` run under tcmalloc and with the spin count, when that
-    differs from what it has (tcmalloc installed and not loaded yet, or the spin count not set); returns (doing
-    nothing) otherwise. Call it before any work is done: OpenMP reads its settings when it loads."""
+    differs from what it has (tcmalloc installed and not loaded yet, or the spin count not set);
+    returns (doing nothing) otherwise. Call it before any work is done: OpenMP reads its settings
+    when it loads."""
     if os.environ.get("_PAGODA_REEXECED"):
         return
     env = with_omp_spincount(dict(os.environ))

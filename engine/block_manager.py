@@ -270,20 +270,22 @@ class BlockManager:
                     del w.free_block_queue[block_id]
                 block.ref_count += 1
                 table.append(block_id)
-        for i in range(min(first, len(table))):
-            if table[i] != NO_BLOCK:
-                w._release(table[i])
-                table[i] = NO_BLOCK
+        self._release_window_before(table, first)
         while len(table) < len(seq.block_table):
             table.append(w._pop_free_block())
 
     def release_out_of_window(self, seq: Sequence) -> None:
         """After a step: free the window blocks no query still to come can see (they stay cached,
         if registered, until reallocated). Without a window pool, nothing."""
-        if self.windowed is None:
-            return
-        table = seq.window_block_table
-        for i in range(min(self.window_start_block(seq.num_computed_tokens), len(table))):
+        if self.windowed is not None:
+            self._release_window_before(
+                seq.window_block_table, self.window_start_block(seq.num_computed_tokens)
+            )
+
+    def _release_window_before(self, table: list[int], first: int) -> None:
+        """Release the window table's blocks before its entry `first`; their entries become NO_BLOCK."""
+        assert self.windowed is not None
+        for i in range(min(first, len(table))):
             if table[i] != NO_BLOCK:
                 self.windowed._release(table[i])
                 table[i] = NO_BLOCK

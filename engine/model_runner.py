@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.block_manager import compute_slot_mapping
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs, make_generator
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -150,11 +151,10 @@ class ModelRunner:
                     prompt_rows.extend(base + p for p in range(first, last))
                     prompt_targets.extend(seq.token_ids[first + 1 : last + 1])
                     prompt_spans.append((item, last - first))
-            table = seq.block_table
             input_ids.extend(seq.token_ids[start : item.end_pos])
             input_ids.extend(item.draft)
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(compute_slot_mapping(seq.block_table, bs, start, end))
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             if item.needs_sample:
@@ -181,10 +181,9 @@ class ModelRunner:
             # (NO_BLOCK) read as block 0, which their attention never reaches.
             window_slots: list[int] = []
             for item in scheduled:
-                table = item.seq.window_block_table
                 start = item.start_pos
                 window_slots.extend(
-                    table[p // bs] * bs + p % bs for p in range(start, start + item.num_new_tokens)
+                    compute_slot_mapping(item.seq.window_block_table, bs, start, start + item.num_new_tokens)
                 )
             metadata.windowed = dataclasses.replace(
                 metadata,

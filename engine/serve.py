@@ -375,7 +375,8 @@ def _load_and_serve(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None:  # a process of its own (python -m engine.serve): the allocator can be chosen
+    # A process of its own (python -m engine.serve): its allocator and OpenMP spin can still be set.
+    if argv is None:
         reexec_as_engine_process(["-m", "engine.serve", *sys.argv[1:]])
     return run(args)
 
