@@ -127,6 +127,8 @@ else:
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": VAR_DIR / "db.sqlite3",
+            # A thread's connection to the file stays open (core.concurrency): no server to spare.
+            "CONN_MAX_AGE": None,
             "OPTIONS": {
                 "timeout": 30,
                 "transaction_mode": "IMMEDIATE",

@@ -99,3 +99,47 @@ def test_without_the_pool_every_request_thread_opens_its_own_connection(database
 
     assert "errors 0 " in out
     assert peak > 3
+
+
+KEPT = textwrap.dedent(
+    """
+    import asyncio
+    import django
+    django.setup()
+    from django.db import connections
+    from core.concurrency import blocking
+
+    def query():
+        wrapper = connections["default"]  # this thread's own (django.db.connection is a proxy)
+        with wrapper.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return wrapper
+
+    async def main():
+        wrapper = await blocking(query)()
+        print("vendor", wrapper.vendor, "open", wrapper.connection is not None)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _after_blocking(env: dict[str, str]) -> str:
+    env = {**env, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", KEPT], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_blocking_call_gives_its_postgresql_connection_back(database_url):
+    assert "vendor postgresql open False" in _after_blocking({**os.environ, "DATABASE_URL": database_url})
+
+
+def test_a_blocking_call_keeps_its_thread_s_sqlite_connection_open(tmp_path):
+    """The zero-config SQLite file: no server holds a connection, and reopening one (with its
+    pragmas) costs several times the query."""
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env.update(PAGODA_VAR_DIR=str(tmp_path), PAGODA_ALLOW_DEV_SECRETS="true")
+    assert "vendor sqlite open True" in _after_blocking(env)
