@@ -78,6 +78,11 @@ class LoopShared(Generic[T]):
         reading.set_result(result)
         return result
 
+    def put(self, key: str, value: T) -> None:
+        """A value this loop read for `key` by other means: shared as a read of its own would be."""
+        loop = asyncio.get_running_loop()
+        self._entries.setdefault(loop, {})[key] = (time.monotonic() + self.max_age_s, value)
+
     def clear(self) -> None:
         self._entries.clear()
 
@@ -95,7 +100,8 @@ async def live_replica_set_async(model: str) -> frozenset[str]:
     return await _live_sets.get(model, read)
 
 
-def _without_draining(ids: list[str], raw: list) -> list[str]:
+def without_draining(ids: list[str], raw: list) -> list[str]:
+    """The ids whose stats (`raw`, in the same order) do not say draining."""
     # Only the flag is read: a replica whose stats this process cannot decode (a newer engine's
     # fields, a key that expired a moment before its score) counts as ready, as it counts as live.
     ready = []
@@ -109,7 +115,7 @@ def _without_draining(ids: list[str], raw: list) -> list[str]:
     return ready
 
 
-def _stats_keys(model: str, ids: list[str]) -> list[str]:
+def stats_keys(model: str, ids: list[str]) -> list[str]:
     return [replica_stats_key(settings.REDIS_PREFIX, model, rid) for rid in ids]
 
 
@@ -118,7 +124,7 @@ def ready_replica_ids(model: str) -> list[str]:
     ids = live_replica_ids(model)
     if not ids:
         return []
-    return _without_draining(ids, get_redis().mget(_stats_keys(model, ids)))
+    return without_draining(ids, get_redis().mget(stats_keys(model, ids)))
 
 
 async def ready_replica_ids_async(model: str) -> list[str]:
@@ -126,7 +132,7 @@ async def ready_replica_ids_async(model: str) -> list[str]:
     ids = await live_replica_ids_async(model)
     if not ids:
         return []
-    return _without_draining(ids, await get_async_redis().mget(_stats_keys(model, ids)))
+    return without_draining(ids, await get_async_redis().mget(stats_keys(model, ids)))
 
 
 def replica_stats_list(model: str) -> list[ReplicaStats]:
@@ -135,7 +141,7 @@ def replica_stats_list(model: str) -> list[ReplicaStats]:
     ids = sorted(live_replica_ids(model))
     if not ids:
         return []
-    raw = get_redis().mget(_stats_keys(model, ids))
+    raw = get_redis().mget(stats_keys(model, ids))
     stats: list[ReplicaStats] = []
     for data in raw:
         if data is None:

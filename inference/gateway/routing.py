@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from core.redis_client import get_async_redis
-from engine.protocol import ProtocolError, ReplicaStats, prefix_route_key, replica_stats_key
-from inference.gateway.replicas import LoopShared, live_replica_ids_async
+from engine.protocol import ProtocolError, ReplicaStats, prefix_route_key
+from inference.gateway.replicas import LoopShared, live_replica_ids_async, stats_keys, without_draining
 
 # A replica holding more than (1 + epsilon) x the mean load, and more than the mean plus the slack,
 # takes no more requests by preference.
@@ -157,7 +157,22 @@ async def _read_loads(model: str) -> dict[str, float]:
     ids = await live_replica_ids_async(model)
     if not ids:
         return {}
-    raw = await get_async_redis().mget([replica_stats_key(settings.REDIS_PREFIX, model, r) for r in ids])
+    return _loads_of(ids, await get_async_redis().mget(stats_keys(model, ids)))
+
+
+async def ready_replica_ids_for_admission(model: str) -> list[str]:
+    """Admission's read of `model`'s ready replicas (ready_replica_ids_async: always read afresh);
+    the loads it read serve this event loop's routing as a read of its own would (LOADS_MAX_AGE_S),
+    so the request it admits is routed without reading the heartbeats a second time."""
+    ids = await live_replica_ids_async(model)
+    raw = await get_async_redis().mget(stats_keys(model, ids)) if ids else []
+    _loads.put(model, _loads_of(ids, raw))
+    return without_draining(ids, raw)
+
+
+def _loads_of(ids: list[str], raw: list) -> dict[str, float]:
+    """The loads of the replicas whose stats (`raw`, in the order of `ids`) decode and are not
+    draining: their running and waiting requests."""
     loads: dict[str, float] = {}
     for replica, data in zip(ids, raw, strict=True):
         if data is None:

@@ -38,10 +38,9 @@ from inference.gateway import (
     EngineGateway,
     get_gateway,
     live_replica_set_async,
-    ready_replica_ids_async,
 )
 from inference.gateway.queue_bounds import queue_place_release, queue_place_take
-from inference.gateway.routing import RouteHint
+from inference.gateway.routing import RouteHint, ready_replica_ids_for_admission
 from inference.services.logprob_bounds import prompt_logprob_volume_check
 from inference.services.plans import (
     GenerationPlan,
@@ -206,7 +205,7 @@ class Generation:
         plan = self.plan
         # Refusals happen before the reservation: nothing is counted, queued or written for them. A
         # replica that is draining finishes what it holds but is no reason to take a new request.
-        if not await ready_replica_ids_async(plan.model):
+        if not await ready_replica_ids_for_admission(plan.model):
             if plan.replica_wait_s <= 0:
                 raise engine_unavailable(plan.model)
             # Queued for a replica yet to start (an autoscaler wakes the model on its queue): it must

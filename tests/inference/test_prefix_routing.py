@@ -27,6 +27,7 @@ from inference.gateway.routing import (
     choose_replica,
     index_positions,
     load_bound,
+    ready_replica_ids_for_admission,
     rendezvous_order,
     routing_key,
 )
@@ -274,3 +275,33 @@ async def test_a_first_turn_takes_the_less_loaded_of_its_two_choices_unless_it_n
     await gateway.submit(request, route=RouteHint(enabled=True, block_size=BLOCK, prompt_cache_key=key))
     assert await queued_where(model, "keyed") == "left"
     await busy.forget(["running"])
+
+
+async def test_admission_reads_the_heartbeats_afresh_and_its_read_routes_the_request(model, monkeypatch):
+    await announce(model, "left")
+    await announce(model, "right")
+    assert sorted(await ready_replica_ids_for_admission(model)) == ["left", "right"]
+
+    # A heartbeat that changed a moment after the last read: admission reads again, whatever this
+    # event loop read before.
+    stats = ReplicaStats(
+        replica_id="left",
+        model=model,
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        prefix_cache_hit_rate=0.0,
+        draining=True,
+    )
+    await get_async_redis().set(
+        replica_stats_key(settings.REDIS_PREFIX, model, "left"), stats.encode(), ex=30
+    )
+    assert await ready_replica_ids_for_admission(model) == ["right"]
+
+    # The request it admitted is routed by that read: the heartbeats are not read a second time.
+    def read_again(model: str):
+        raise AssertionError("routing read the heartbeats again")
+
+    monkeypatch.setattr(routing, "_read_loads", read_again)
+    await submit(model, "admitted", prompt_preferring("left", ["left", "right"]))
+    assert await queued_where(model, "admitted") == "right"
