@@ -281,21 +281,7 @@ async def test_admission_reads_the_heartbeats_afresh_and_its_read_routes_the_req
     await announce(model, "left")
     await announce(model, "right")
     assert sorted(await ready_replica_ids_for_admission(model)) == ["left", "right"]
-
-    # A heartbeat that changed a moment after the last read: admission reads again, whatever this
-    # event loop read before.
-    stats = ReplicaStats(
-        replica_id="left",
-        model=model,
-        num_running=0,
-        num_waiting=0,
-        kv_cache_usage=0.0,
-        prefix_cache_hit_rate=0.0,
-        draining=True,
-    )
-    await get_async_redis().set(
-        replica_stats_key(settings.REDIS_PREFIX, model, "left"), stats.encode(), ex=30
-    )
+    await announce(model, "left", draining=True, stream=False)
     assert await ready_replica_ids_for_admission(model) == ["right"]
 
     # The request it admitted is routed by that read: the heartbeats are not read a second time.
