@@ -115,7 +115,7 @@ def without_draining(ids: list[str], raw: list) -> list[str]:
     return ready
 
 
-def stats_keys(model: str, ids: list[str]) -> list[str]:
+def _stats_keys(model: str, ids: list[str]) -> list[str]:
     return [replica_stats_key(settings.REDIS_PREFIX, model, rid) for rid in ids]
 
 
@@ -124,15 +124,18 @@ def ready_replica_ids(model: str) -> list[str]:
     ids = live_replica_ids(model)
     if not ids:
         return []
-    return without_draining(ids, get_redis().mget(stats_keys(model, ids)))
+    return without_draining(ids, get_redis().mget(_stats_keys(model, ids)))
+
+
+async def heartbeats_async(model: str) -> tuple[list[str], list]:
+    """The ids of `model`'s live replicas and their raw stats, in the same order."""
+    ids = await live_replica_ids_async(model)
+    return ids, (await get_async_redis().mget(_stats_keys(model, ids)) if ids else [])
 
 
 async def ready_replica_ids_async(model: str) -> list[str]:
-    """Live replicas of `model` that take new requests (not draining): what admission asks for."""
-    ids = await live_replica_ids_async(model)
-    if not ids:
-        return []
-    return without_draining(ids, await get_async_redis().mget(stats_keys(model, ids)))
+    """Live replicas of `model` that take new requests (not draining)."""
+    return without_draining(*await heartbeats_async(model))
 
 
 def replica_stats_list(model: str) -> list[ReplicaStats]:
@@ -141,7 +144,7 @@ def replica_stats_list(model: str) -> list[ReplicaStats]:
     ids = sorted(live_replica_ids(model))
     if not ids:
         return []
-    raw = get_redis().mget(stats_keys(model, ids))
+    raw = get_redis().mget(_stats_keys(model, ids))
     stats: list[ReplicaStats] = []
     for data in raw:
         if data is None:

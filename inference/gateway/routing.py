@@ -41,7 +41,7 @@ from django.conf import settings
 
 from core.redis_client import get_async_redis
 from engine.protocol import ProtocolError, ReplicaStats, prefix_route_key
-from inference.gateway.replicas import LoopShared, live_replica_ids_async, stats_keys, without_draining
+from inference.gateway.replicas import LoopShared, heartbeats_async, without_draining
 
 # A replica holding more than (1 + epsilon) x the mean load, and more than the mean plus the slack,
 # takes no more requests by preference.
@@ -154,18 +154,14 @@ _loads: LoopShared[dict[str, float]] = LoopShared(LOADS_MAX_AGE_S)
 
 
 async def _read_loads(model: str) -> dict[str, float]:
-    ids = await live_replica_ids_async(model)
-    if not ids:
-        return {}
-    return _loads_of(ids, await get_async_redis().mget(stats_keys(model, ids)))
+    return _loads_of(*await heartbeats_async(model))
 
 
 async def ready_replica_ids_for_admission(model: str) -> list[str]:
     """Admission's read of `model`'s ready replicas (ready_replica_ids_async: always read afresh);
     the loads it read serve this event loop's routing as a read of its own would (LOADS_MAX_AGE_S),
     so the request it admits is routed without reading the heartbeats a second time."""
-    ids = await live_replica_ids_async(model)
-    raw = await get_async_redis().mget(stats_keys(model, ids)) if ids else []
+    ids, raw = await heartbeats_async(model)
     _loads.put(model, _loads_of(ids, raw))
     return without_draining(ids, raw)
 
