@@ -1,11 +1,15 @@
-"""A float32 decoder layer of a decode step of up to MAX_ROWS (8) sequences in one C call
-(kernels/cpu/decode_layer.c): norms, the four products, the rotary embedding, the K/V store and
-paged attention, in one OpenMP parallel region per layer.
+"""A float32 decoder layer of a decode step in one C call (kernels/cpu/decode_layer.c): norms, the
+four products, the rotary embedding, the K/V store and paged attention, in one OpenMP parallel
+region per layer. A step may have up to `max_rows()` sequences: 256 where the library is built with
+AVX-512, 8 where it is not.
 
-A narrow decode step streams the weights once and otherwise pays dispatch: per
-layer four oneDNN calls, four fused kernels with their wrappers and a dozen module calls (about
-3.5 ms of a 15 ms step on SmolLM2's 30 layers, 2-core EPYC). `DecodeLayers` checks the weights
-once, when it is made, and a step's inputs once per step, then calls the kernel once per layer.
+Layer by layer, a decode step pays dispatch beside its products: per layer four oneDNN calls, four
+fused kernels with their wrappers and a dozen module calls (about 3.5 ms of a 15 ms step at one
+sequence on SmolLM2's 30 layers, 2-core EPYC), and OpenMP threads that wait between regions. On a
+2-core Xeon, SmolLM2's float32 decode steps with 300 tokens of context took 33.9, 45.1, 65.0 and
+113 ms at 9, 16, 32 and 64 sequences, against 42.8, 52.6, 73.8 and 120 layer by layer.
+`DecodeLayers` checks the weights once, when it is made, and a step's inputs once per step, then
+calls the kernel once per layer.
 
 The kernel checks the slots, block tables and lengths before it writes anything (as the paged
 kernels do) and raises through kernels._cpu_paged.raise_for_status. `available()` is False where
@@ -23,10 +27,6 @@ import torch
 
 from kernels import _cpu_build, _cpu_paged
 
-# DECODE_LAYER_MAX_ROWS in the C source, and the widest step the engine sends here: on SmolLM2
-# (2-core EPYC) a step's 30 layers took 0.70-0.93x the layer path's time at every width from 1 to 8
-# rows; from 16 rows on oneDNN's packed products are faster.
-MAX_ROWS = 8
 _BAD_SLOT = 6  # DECODE_BAD_SLOT
 
 _P = ctypes.c_void_p
@@ -66,7 +66,8 @@ _SIGNATURES = {
             ctypes.c_float,  # scale
             ctypes.c_int,  # num_threads
         ],
-    )
+    ),
+    "decode_layer_max_rows": (ctypes.c_int, []),
 }
 
 
@@ -76,6 +77,13 @@ def _load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _load() is not None
+
+
+def max_rows() -> int:
+    """The widest decode step the built kernel takes (DECODE_LAYER_MAX_ROWS; 0 where it cannot be
+    built): 256 with AVX-512, 8 without."""
+    lib = _load()
+    return 0 if lib is None else int(lib.decode_layer_max_rows())
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +103,7 @@ class LayerWeights:
 
 class DecodeLayers:
     """The decoder layers of a float32 model as one kernel call each, for steps of decode rows only
-    (one new token per sequence, at most MAX_ROWS of them)."""
+    (one new token per sequence, at most `max_rows` of them)."""
 
     def __init__(
         self,
@@ -113,6 +121,7 @@ class DecodeLayers:
         if not layers:
             raise ValueError("no layers")
         self._fn = lib.decode_layer
+        self.max_rows = max_rows()
         hidden = layers[0].input_norm.shape[0]
         inter = layers[0].down.shape[1]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -196,12 +205,14 @@ class DecodeLayers:
     ) -> torch.Tensor:  # (rows, hidden): the last layer's MLP output, for the final norm to add
         rows = x.shape[0]
         if (
-            not 0 < rows <= MAX_ROWS
+            not 0 < rows <= self.max_rows
             or x.dtype != torch.float32
             or x.shape != (rows, self.hidden)
             or not x.is_contiguous()
         ):
-            raise ValueError(f"decode layers: x must be (1..{MAX_ROWS}, {self.hidden}) contiguous float32")
+            raise ValueError(
+                f"decode layers: x must be (1..{self.max_rows}, {self.hidden}) contiguous float32"
+            )
         table_shape = (rows, self.head_dim)
         for t in (cos, sin_signed):
             if t.dtype != torch.float32 or t.shape != table_shape or not t.is_contiguous():

@@ -315,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         # oneDNN's packed copy of the logits weight for narrow batches, set by the loader on CPU.
         self.packed_logits_weight: torch.Tensor | None = None
         self.packed_max_rows = 0  # batches of up to this many rows use packed_logits_weight
-        # Decode steps of up to cpu_decode_layer.MAX_ROWS sequences on CPU in float32: each layer in
+        # Decode steps of up to cpu_decode_layer.max_rows() sequences on CPU in float32: each layer in
         # one C call (set by _use_fused where the model's layers are the plain kind it computes).
         self._decode_layers: cpu_decode_layer.DecodeLayers | None = None
         self._decode_layers_linear: nn.Module | None = None  # the first layer's qkv_proj it read
@@ -356,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def _make_decode_layers(self) -> cpu_decode_layer.DecodeLayers | None:
-        """The layers as one C call each for the narrowest decode steps (kernels.cpu_decode_layer),
+        """The layers as one C call each for decode steps (kernels.cpu_decode_layer),
         where every layer is the plain kind that kernel computes: dense SwiGLU MLP, whole-head
         rotary embedding, no sliding window, soft cap, head norms or Gemma norms, plain linears
         (LoRA's wrappers keep the layer-by-layer path), and the torch attention backend.
@@ -429,7 +429,7 @@ class LlamaForCausalLM(nn.Module):
         if (
             fast is not None
             and metadata.max_query_len == 1
-            and x.shape[0] <= cpu_decode_layer.MAX_ROWS
+            and x.shape[0] <= fast.max_rows
             and metadata.windowed is None
             and cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj is self._decode_layers_linear
         ):  # (the last: no LoRA wrapper has replaced the linears the kernel reads since)

@@ -3,10 +3,13 @@ composed from the fused kernels' references (kernels.reference), on both builds 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 import torch
 
-from kernels import cpu_decode_layer
+from kernels import _cpu_build, cpu_decode_layer
 from kernels.cpu_decode_layer import DecodeLayers, LayerWeights
 from kernels.reference import (
     ref_paged_attention,
@@ -17,40 +20,59 @@ from kernels.reference import (
 
 pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(), reason="no C compiler for the CPU kernels")
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 64, 176, 4, 2, 16
-BLOCKS, BLOCK_SIZE, LAYERS = 32, 16, 3
-EPS, SCALE = 1e-5, HEAD_DIM**-0.5
+BLOCK_SIZE, LAYERS, EPS = 16, 3, 1e-5
 
 
-def _layers(gen: torch.Generator, bias: bool) -> list[LayerWeights]:
-    def rand(*shape: int, s: float = 0.2) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * s
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 64
+    inter: int = 176
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
 
-    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+SHAPE = Shape()
+# Widths that are no multiple of a vector (16) nor of the wide products' 4 weight rows: q|k|v has
+# (3 + 2) * 18 = 90 rows, the hidden size 72 and the MLP 90 columns.
+ODD = Shape(hidden=72, inter=90, heads=3, kv_heads=1, head_dim=18)
+HIDDEN = SHAPE.hidden
+
+
+def _layers(gen: torch.Generator, bias: bool, shape: Shape = SHAPE) -> list[LayerWeights]:
+    def rand(*size: int, s: float = 0.2) -> torch.Tensor:
+        return torch.randn(*size, generator=gen) * s
+
+    qkv_rows = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
     return [
         LayerWeights(
-            input_norm=1 + rand(HIDDEN, s=0.1),
-            post_attention_norm=1 + rand(HIDDEN, s=0.1),
-            qkv=rand(qkv_rows, HIDDEN),
+            input_norm=1 + rand(shape.hidden, s=0.1),
+            post_attention_norm=1 + rand(shape.hidden, s=0.1),
+            qkv=rand(qkv_rows, shape.hidden),
             qkv_bias=rand(qkv_rows) if bias else None,
-            o=rand(HIDDEN, HEADS * HEAD_DIM),
-            gate_up=rand(2 * INTER, HIDDEN),
-            down=rand(HIDDEN, INTER),
+            o=rand(shape.hidden, shape.heads * shape.head_dim),
+            gate_up=rand(2 * shape.inter, shape.hidden),
+            down=rand(shape.hidden, shape.inter),
         )
         for _ in range(LAYERS)
     ]
 
 
-def _step(gen: torch.Generator, rows: int):
+def _step(gen: torch.Generator, rows: int, shape: Shape = SHAPE):
     """A decode step of `rows` sequences with contexts of different lengths in shuffled blocks."""
+    lens = [[1, 17, 40, 33, 5, 64, 2, 20][i % 8] + i // 8 for i in range(rows)]
+    width = max(-(-n // BLOCK_SIZE) for n in lens)
+    blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 4
+    cache_shape = (blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
     caches = [
-        (torch.randn(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen),
-         torch.randn(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen))
+        (torch.randn(*cache_shape, generator=gen), torch.randn(*cache_shape, generator=gen))
         for _ in range(LAYERS)
-    ]  # fmt: skip
-    lens = [1, 17, 40, 33, 5, 64, 2, 20][:rows]
-    order = torch.randperm(BLOCKS, generator=gen)
-    width = 4
+    ]
+    order = torch.randperm(blocks, generator=gen)
     tables = torch.zeros(rows, width, dtype=torch.int32)
     slots, used = [], 0
     for i, n in enumerate(lens):
@@ -59,14 +81,13 @@ def _step(gen: torch.Generator, rows: int):
         used += need
         last = n - 1
         slots.append(int(tables[i, last // BLOCK_SIZE]) * BLOCK_SIZE + last % BLOCK_SIZE)
+    d = shape.head_dim
     positions = torch.tensor([n - 1 for n in lens])
-    angles = (
-        positions[:, None].float() * (1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))[None]
-    )
+    angles = positions[:, None].float() * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos(), angles.sin()
-    sin_signed = torch.cat([-sin[:, : HEAD_DIM // 2], sin[:, HEAD_DIM // 2 :]], dim=-1).contiguous()
-    x = torch.randn(rows, HIDDEN, generator=gen)
+    sin_signed = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1).contiguous()
+    x = torch.randn(rows, shape.hidden, generator=gen)
     return (
         x,
         cos.contiguous(),
@@ -78,36 +99,40 @@ def _step(gen: torch.Generator, rows: int):
     )
 
 
-def _reference(layers, x, cos, sin_signed, caches, slots, tables, lens):
+def _reference(layers, x, cos, sin_signed, caches, slots, tables, lens, shape: Shape = SHAPE):
     delta = None
     starts = torch.arange(x.shape[0] + 1, dtype=torch.int32)
+    q_size = shape.heads * shape.head_dim
     for w, (k, v) in zip(layers, caches, strict=True):
         h = ref_rms_norm(x, w.input_norm, EPS, delta)
         qkv = h @ w.qkv.T + (w.qkv_bias if w.qkv_bias is not None else 0)
-        ref_rope_and_store_kv(qkv, cos, sin_signed, slots, k, v, HEADS)
-        q = qkv[:, : HEADS * HEAD_DIM].reshape(-1, HEADS, HEAD_DIM)
-        att = ref_paged_attention(q, k, v, starts, lens, tables, SCALE).reshape(-1, HEADS * HEAD_DIM)
+        ref_rope_and_store_kv(qkv, cos, sin_signed, slots, k, v, shape.heads)
+        q = qkv[:, :q_size].reshape(-1, shape.heads, shape.head_dim)
+        att = ref_paged_attention(q, k, v, starts, lens, tables, shape.scale).reshape(-1, q_size)
         h = ref_rms_norm(x, w.post_attention_norm, EPS, att @ w.o.T)
         delta = ref_silu_mul(h @ w.gate_up.T) @ w.down.T
     return delta
 
 
-def _decode_layers(layers: list[LayerWeights]) -> DecodeLayers:
+def _decode_layers(layers: list[LayerWeights], shape: Shape = SHAPE) -> DecodeLayers:
     return DecodeLayers(
-        layers, eps=EPS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, scale=SCALE
+        layers,
+        eps=EPS,
+        num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        scale=shape.scale,
     )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("bias", [False, True])
-def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, rows, bias):
-    gen = torch.Generator().manual_seed(rows + 10 * bias)
-    layers = _layers(gen, bias)
-    x, cos, sin_signed, caches, slots, tables, lens = _step(gen, rows)
+def _check_against_the_references(rows: int, bias: bool, shape: Shape) -> None:
+    gen = torch.Generator().manual_seed(rows + 10 * bias + shape.hidden)
+    layers = _layers(gen, bias, shape)
+    x, cos, sin_signed, caches, slots, tables, lens = _step(gen, rows, shape)
     ref_x, ref_caches = x.clone(), [(k.clone(), v.clone()) for k, v in caches]
-    want = _reference(layers, ref_x, cos, sin_signed, ref_caches, slots, tables, lens)
+    want = _reference(layers, ref_x, cos, sin_signed, ref_caches, slots, tables, lens, shape)
 
-    fast = _decode_layers(layers)
+    fast = _decode_layers(layers, shape)
     got = fast.forward(x, cos, sin_signed, caches, slots, tables, lens)
 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -115,6 +140,29 @@ def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, r
     for (k, v), (rk, rv) in zip(caches, ref_caches, strict=True):  # the new tokens' K/V stored
         torch.testing.assert_close(k, rk, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, rv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, rows, bias):
+    _check_against_the_references(rows, bias, SHAPE)
+
+
+# Past 8 rows the products are register tiles of 6 x rows by 4 weight rows: whole tiles, tiles with
+# 1 to 5 rows left over, and widths with a masked vector and weight rows past the last whole tile.
+@pytest.mark.parametrize("rows", [9, 12, 13, 17, 24, 40, 64])
+@pytest.mark.parametrize("shape", [SHAPE, ODD], ids=["even", "odd"])
+def test_wide_steps_compute_the_layer_of_the_references(cpu_kernel_build, rows, shape):
+    if rows > cpu_decode_layer.max_rows():
+        with pytest.raises(ValueError, match="x must be"):
+            _check_against_the_references(rows, True, shape)
+        return
+    _check_against_the_references(rows, True, shape)
+
+
+def test_the_widest_step_is_256_rows_with_avx512_and_8_without(cpu_kernel_build):
+    avx512 = "avx512f" in Path("/proc/cpuinfo").read_text() and not _cpu_build.portable()
+    assert cpu_decode_layer.max_rows() == (256 if avx512 else 8)
 
 
 def test_out_of_bounds_slots_and_tables_are_refused_before_anything_is_written(cpu_kernel_build):
@@ -125,11 +173,11 @@ def test_out_of_bounds_slots_and_tables_are_refused_before_anything_is_written(c
     before_x, before = x.clone(), [(k.clone(), v.clone()) for k, v in caches]
 
     bad_slots = slots.clone()
-    bad_slots[1] = BLOCKS * BLOCK_SIZE
+    bad_slots[1] = caches[0][0].shape[0] * BLOCK_SIZE
     with pytest.raises(IndexError, match="slot"):
         fast.forward(x, cos, sin_signed, caches, bad_slots, tables, lens)
     bad_tables = tables.clone()
-    bad_tables[1, 0] = BLOCKS
+    bad_tables[1, 0] = caches[0][0].shape[0]
     with pytest.raises(IndexError, match="block table"):
         fast.forward(x, cos, sin_signed, caches, slots, bad_tables, lens)
     too_long = lens.clone()
@@ -147,7 +195,7 @@ def test_wider_steps_and_wrong_weights_are_refused(cpu_kernel_build):
     layers = _layers(gen, bias=False)
     fast = _decode_layers(layers)
     x, cos, sin_signed, caches, slots, tables, lens = _step(gen, 4)
-    wide = torch.randn(cpu_decode_layer.MAX_ROWS + 1, HIDDEN)
+    wide = torch.randn(fast.max_rows + 1, HIDDEN)
     with pytest.raises(ValueError, match="x must be"):
         fast.forward(wide, cos, sin_signed, caches, slots, tables, lens)
     with pytest.raises(ValueError, match="KV caches"):
