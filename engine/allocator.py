@@ -14,18 +14,24 @@ Debian and Ubuntu ship it as libtcmalloc-minimal4.
 
 GNU OpenMP (torch's CPU runtime, and the C kernels') keeps a thread spinning for 300,000 turns after
 each parallel region before it sleeps: between two steps of the engine, and through every wait for
-Redis, its threads hold the cores that daphne, Redis and the batch runner beside it need. With
-GOMP_SPINCOUNT at ENGINE_OMP_SPINCOUNT they still wait actively across the few microseconds between
-the regions of one step (SmolLM2's steps ran as fast: 18-19 ms at one sequence, 69-72 ms at 32,
-against 16-20 and 69-74), and sleep between steps: on a 2-core machine the stack's capacity rose
-from 648 to 696 output tok/s and a batch beside interactive traffic from 389 to 587
-(bench/batch.py). OMP_WAIT_POLICY=PASSIVE would sleep at once, 12-30 % slower per step. An
-environment that sets GOMP_SPINCOUNT or OMP_WAIT_POLICY itself is left as it is.
+Redis, its threads hold the cores that daphne, Redis and the batch runner beside it need. An engine
+process spins for ENGINE_OMP_SPIN_S instead: long enough to cross the gaps between the regions of
+one step, short enough to sleep between steps. On a 2-core EPYC, 3,000 turns left SmolLM2's steps as
+fast as before (18-19 ms at one sequence, 69-72 ms at 32, against 16-20 and 69-74), and the stack's
+capacity rose from 648 to 696 output tok/s and a batch beside interactive traffic from 389 to 587
+(bench/batch.py). But a turn's length differs between CPUs (the pause hint: 10.9 ns on a 2-core
+Xeon), and there 3,000 turns (33 us) slept inside steps: 9 sequences took 54 ms a step instead of 43,
+and 32 took 87 ms instead of 73 (the layer path; 10,000 turns or more ran as fast as the default). So
+the count is the spin time over a turn's length, measured once per process by kernels.cpu_spin
+(about 1 ms), within 1,000-300,000 turns; where that cannot be measured, FALLBACK_OMP_SPINCOUNT.
+OMP_WAIT_POLICY=PASSIVE would sleep at once, 12-30 % slower per step. An environment that sets
+GOMP_SPINCOUNT or OMP_WAIT_POLICY itself is left as it is.
 """
 
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import glob
 import os
 import sys
@@ -66,14 +72,28 @@ def with_tcmalloc(env: dict[str, str]) -> dict[str, str]:
     return {**env, "LD_PRELOAD": ":".join([path, *preload])}
 
 
-ENGINE_OMP_SPINCOUNT = "3000"
+ENGINE_OMP_SPIN_S = 150e-6
+FALLBACK_OMP_SPINCOUNT = 10_000
+_SPINCOUNT_BOUNDS = (1_000, 300_000)
+
+
+@functools.cache
+def engine_omp_spincount() -> int:
+    """The GOMP_SPINCOUNT that makes this CPU's OpenMP threads spin for about ENGINE_OMP_SPIN_S."""
+    from kernels import cpu_spin
+
+    turn = cpu_spin.turn_seconds()
+    if turn is None:
+        return FALLBACK_OMP_SPINCOUNT
+    low, high = _SPINCOUNT_BOUNDS
+    return min(high, max(low, round(ENGINE_OMP_SPIN_S / turn)))
 
 
 def with_omp_spincount(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with GOMP_SPINCOUNT set to ENGINE_OMP_SPINCOUNT, unless it sets the wait itself."""
+    """``env`` with GOMP_SPINCOUNT set to engine_omp_spincount(), unless it sets the wait itself."""
     if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env:
         return env
-    return {**env, "GOMP_SPINCOUNT": ENGINE_OMP_SPINCOUNT}
+    return {**env, "GOMP_SPINCOUNT": str(engine_omp_spincount())}
 
 
 def tcmalloc_loaded() -> bool:

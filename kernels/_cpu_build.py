@@ -10,9 +10,11 @@ predictable, so a library is loaded only from a directory this user owns that no
 write (nor rename: every directory above it is this user's or root's, and writable by others only
 when sticky), and only when the file itself is this user's and writable by no one else. Where the
 cache fails that test the library is built afresh in a private temporary directory instead, and a
-cached file that fails it is rebuilt over. torch is imported first, so a library's libgomp.so.1
-resolves to torch's own OpenMP runtime and shares its threads. Where no compiler exists, or
-PAGODA_CPU_KERNELS=0, `load` returns None and callers keep to their torch paths.
+cached file that fails it is rebuilt over. torch is imported before an OpenMP library is loaded,
+so its libgomp.so.1 resolves to torch's own OpenMP runtime and shares its threads; a library built
+without OpenMP (`openmp=False`: spin_wait, which an engine process reads before it starts torch)
+imports nothing. Where no compiler exists, or PAGODA_CPU_KERNELS=0, `load` returns None and callers
+keep to their torch paths.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch  # noqa: F401  (loaded before any library: see the docstring)
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,14 @@ def portable() -> bool:
     return os.environ.get("PAGODA_CPU_PORTABLE", "0") == "1"
 
 
-def flags(machine: str | None = None, *, portable_build: bool = False) -> tuple[str, ...]:
+def flags(
+    machine: str | None = None, *, portable_build: bool = False, openmp: bool = True
+) -> tuple[str, ...]:
     """The compiler flags for ``machine`` (this one by default)."""
     arch = (machine or platform.machine()).lower()
     extra = _PORTABLE_FLAGS.get(arch, ()) if portable_build else ()
-    return BASE_FLAGS + _VECTOR_FLAGS.get(arch, ()) + extra
+    base = BASE_FLAGS if openmp else tuple(f for f in BASE_FLAGS if f != "-fopenmp")
+    return base + _VECTOR_FLAGS.get(arch, ()) + extra
 
 
 _lock = threading.Lock()
@@ -164,10 +167,15 @@ def _build(name: str, compiler: str, directory: Path, build_flags: tuple[str, ..
     return out
 
 
-def load(name: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]]) -> ctypes.CDLL | None:
+def load(
+    name: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]], *, openmp: bool = True
+) -> ctypes.CDLL | None:
     """kernels/cpu/<name>.c compiled and loaded with its functions' (restype, argtypes) set, or
     None where it cannot be (the reason is logged once). The portable build (PAGODA_CPU_PORTABLE=1)
-    is kept apart from the native one."""
+    is kept apart from the native one. ``openmp=False``: built without OpenMP, and torch is not
+    imported for it."""
+    if openmp:
+        import torch  # noqa: F401  (before the library: its libgomp.so.1 is then torch's)
     key = (name, portable())
     with _lock:
         if key in _loaded:
@@ -180,7 +188,7 @@ def load(name: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]]) -> ctyp
             log.warning("no C compiler found: the CPU path runs without its C kernels")
             return None
         try:
-            lib = _build_and_load(name, compiler, flags(portable_build=key[1]))
+            lib = _build_and_load(name, compiler, flags(portable_build=key[1], openmp=openmp))
         except (OSError, subprocess.SubprocessError) as exc:
             log.warning(
                 "CPU kernel %s unavailable (%s): its torch path runs instead",
