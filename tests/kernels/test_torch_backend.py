@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention import torch_backend
+from engine.attention.torch_backend import TorchAttentionBackend, plan_step
 from kernels import cpu_paged_decode_attention as cpu_kernel
 from kernels import cpu_paged_prefill_attention as cpu_prefill
 from kernels.reference import ref_paged_attention, ref_store_kvcache
@@ -34,8 +35,12 @@ def _expected(batch: PagedBatch, scale: float) -> tuple[torch.Tensor, torch.Tens
     return out, k_cache
 
 
-def _backend(path: str) -> TorchAttentionBackend:
+def _backend(path: str, monkeypatch: pytest.MonkeyPatch | None = None) -> TorchAttentionBackend:
     backend = TorchAttentionBackend()
+    if path == "kernels+flash":  # fresh chunks of 20 tokens or more to torch's flash attention
+        assert monkeypatch is not None
+        monkeypatch.setattr(torch_backend, "FLASH_FRESH_MIN_TOKENS", 20)
+        backend.flash_fresh_chunks = True
     if path == "torch":
         backend.use_cpu_kernel = False
         backend.use_cpu_prefill_kernel = False
@@ -46,21 +51,22 @@ def _backend(path: str) -> TorchAttentionBackend:
 
 
 # Decode rows and prompt chunks take the C kernels on CPU when they compiled, the torch paths
-# (gathers, flash attention) otherwise: both are tested.
-PATHS = ["kernels", "torch"]
+# (gathers, flash attention) otherwise, and long fresh chunks flash attention beside the kernels in
+# bfloat16 on an AMX CPU: all three are tested.
+PATHS = ["kernels", "torch", "kernels+flash"]
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("query_lens", "seq_lens"), BATCHES)
-def test_the_torch_backend_matches_the_reference(dtype, group, query_lens, seq_lens, path):
+def test_the_torch_backend_matches_the_reference(dtype, group, query_lens, seq_lens, path, monkeypatch):
     batch = make_paged_batch(
         query_lens, seq_lens, num_kv_heads=2, group=group, head_dim=32, dtype=dtype, device="cpu"
     )
     expected, expected_k_cache = _expected(batch, 0.2)
 
-    out = _backend(path).forward(
+    out = _backend(path, monkeypatch).forward(
         batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.metadata(), 0.2
     )
 
@@ -69,9 +75,9 @@ def test_the_torch_backend_matches_the_reference(dtype, group, query_lens, seq_l
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_one_backend_serves_successive_steps_of_every_shape(path):
+def test_one_backend_serves_successive_steps_of_every_shape(path, monkeypatch):
     # given one backend instance, as a model holds it, fed steps of growing and shrinking sizes
-    backend = _backend(path)
+    backend = _backend(path, monkeypatch)
     for seed, (query_lens, seq_lens) in enumerate([*BATCHES, ([1] * 9, [1000, *range(1, 9)]), *BATCHES]):
         batch = make_paged_batch(
             query_lens,
@@ -95,3 +101,33 @@ def test_one_backend_serves_successive_steps_of_every_shape(path):
         # then each call attends over this step's contexts, never a previous step's plan or workspace
         for out in outs:
             assert_close(out, expected, torch.float32)
+
+
+def test_long_fresh_chunks_take_flash_attention_and_the_rest_the_prefill_kernel():
+    # a fresh 300-token prompt, a decode, a fresh 15-token prompt and a chunk after 40 cached tokens
+    batch = make_paged_batch(
+        [300, 1, 15, 30],
+        [300, 20, 15, 70],
+        num_kv_heads=2,
+        group=4,
+        head_dim=32,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    plan = plan_step(batch.metadata(), batch.k_cache.shape[1], torch.float32, True, True, flash_fresh_min=100)
+    assert [(c.start, c.end, c.blocks) for c in plan.chunks] == [(0, 300, None)]
+    assert plan.kernel_chunks is not None and plan.kernel_chunks.starts.tolist() == [301, 316]
+    unchanged = plan_step(batch.metadata(), batch.k_cache.shape[1], torch.float32, True, True)
+    assert unchanged.chunks == [] and unchanged.kernel_chunks is not None
+    assert unchanged.kernel_chunks.starts.tolist() == [0, 301, 316]
+
+
+def test_flash_attention_takes_fresh_chunks_in_bfloat16_on_an_amx_cpu_only(monkeypatch):
+    backend = TorchAttentionBackend()
+    q32, q16 = torch.zeros(4, 8, 32), torch.zeros(4, 8, 32, dtype=torch.bfloat16)
+    for amx in (True, False):
+        monkeypatch.setattr(torch_backend, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        assert backend._flash_fresh_min(q32, prefill_kernel=True) is None
+        want = torch_backend.FLASH_FRESH_MIN_TOKENS if amx else None
+        assert backend._flash_fresh_min(q16, prefill_kernel=True) == want
+        assert backend._flash_fresh_min(q16, prefill_kernel=False) is None
