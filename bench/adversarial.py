@@ -28,8 +28,10 @@ Figures: per phase, the victim's TTFT p90 (requests that started in the phase) a
 latency p50 (gaps between streamed chunks that arrived in it), their ratios to the baseline (the
 mean of the two baseline phases), the same over the plain twin (`*_vs_plain`: what the costly part
 adds), and the attacker's answers by status. Target: every ratio to the baseline <= 2.0. On a CPU
-the step time grows with the batch, so a paid-for load of many sequences slows the victim by
-itself: `--max-num-seqs` sizes the replica's batch (and so the cap on `n`, a quarter of it).
+the step time grows with the batch, so a paid-for load of many sequences would slow the victim by
+itself; the replica keeps a shared step within `shared_step_slowdown` of the victim's own (engine
+setting, 1.5: `--engine-setting shared_step_slowdown=0` shows the load without the bound), and
+`--max-num-seqs` sizes the replica's batch (and so the cap on `n`, a quarter of it).
 The final line is JSON.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/adversarial.py                 # ~8 minutes
@@ -170,23 +172,31 @@ WANTED_N = {"regex": 32, "echo_logprobs": 64, "slow_regexes": 1, "bias_penalties
 
 
 class Attacker:
-    def __init__(self, raw, model: str, phase: Phase, sequence_cap: list[int]):
+    def __init__(self, raw, model: str, phase: Phase, sequence_cap: list[int], until: float | None = None):
         self.raw = raw  # httpx client for the fields the SDK does not type
         self.model = model
         self.phase = phase
         self.sequence_cap = sequence_cap
+        # The phase's end (time.monotonic()): a request still unanswered then is cut (its read times
+        # out, the client disconnects, the engine aborts it), so that it does not run on into the
+        # next phase.
+        self.until = until
+
+    def timeout(self) -> float | None:
+        return None if self.until is None else max(0.1, self.until - time.monotonic())
 
     def post(self, path: str, body: dict[str, Any], *, stream: bool = False) -> None:
         try:
             if stream:
-                with self.raw.stream("POST", path, json=body) as response:
+                with self.raw.stream("POST", path, json=body, timeout=self.timeout()) as response:
                     for _ in response.iter_bytes():
-                        pass
+                        if self.until is not None and time.monotonic() > self.until:
+                            raise TimeoutError("the phase ended")
                     self.phase.attacker_saw(str(response.status_code))
                     if response.status_code == 400:
                         self.learn_cap(response.read(), body)
                 return
-            response = self.raw.post(path, json=body)
+            response = self.raw.post(path, json=body, timeout=self.timeout())
             self.phase.attacker_saw(str(response.status_code))
             if response.status_code == 400:
                 self.learn_cap(response.content, body)
@@ -380,7 +390,9 @@ def main() -> int:
             workers: list[threading.Thread] = []
             kind = name.removeprefix("plain_")
             if kind in ATTACKS:
-                attacker = Attacker(raw, stack.model, phase, sequence_cap)
+                attacker = Attacker(
+                    raw, stack.model, phase, sequence_cap, until=time.monotonic() + args.phase_s
+                )
                 for w in range(attack_workers(kind, args.attackers, sequence_cap[0])):
                     workers.append(
                         threading.Thread(

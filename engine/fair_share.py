@@ -70,6 +70,10 @@ class ServiceCounters:
     def is_active(self, tenant: str) -> bool:
         return tenant in self._active
 
+    def active(self) -> dict[str, int]:
+        """Unfinished sequences per active tenant (read-only: the counters' own)."""
+        return self._active
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per active tenant: its weight, weighted counter and unweighted service."""
         return {

@@ -27,6 +27,8 @@ _SCHEDULER_FIELDS = {
     "policy",
     "max_seqs_per_request",
     "fair_preempt_tokens_per_step",
+    "shared_step_slowdown",
+    "decode_fixed_rows",
 }
 
 

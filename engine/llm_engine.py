@@ -29,7 +29,7 @@ from engine.sequence import Sequence
 from engine.speculative import Speculator
 from engine.step_profile import StepProfile
 from engine.structured_output.manager import GrammarRequests
-from engine.warm_up import warm_up
+from engine.warm_up import decode_fixed_rows, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,14 @@ class LLMEngine:
             if config.warm_up
             else 0.0
         )
+        if (
+            config.warm_up
+            and setup.scheduler_config.decode_fixed_rows is None
+            and setup.scheduler_config.shared_step_slowdown > 0
+        ):
+            self.scheduler.step_width.fixed_rows = decode_fixed_rows(
+                self.runner, setup.scheduler_config.max_num_seqs, self.max_model_len
+            )
         self._requests: dict[str, EngineRequest] = {}
         self._completions: dict[int, Completion] = {}  # seq_id -> completion
         self.grammar_waits = GrammarWaits(self)

@@ -257,6 +257,8 @@ ENGINE_SETTINGS = {
     "max_num_seqs": "int",
     "max_seqs_per_request": "int",
     "fair_preempt_tokens_per_step": "int",
+    "shared_step_slowdown": "float",
+    "decode_fixed_rows": "float",
     "max_num_batched_tokens": "int",
     "max_prefill_tokens_with_decodes": "int",
     "lower_tier_prefill_tokens": "int",

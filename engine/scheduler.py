@@ -11,6 +11,9 @@ holds more (weighted) slots, within a token bucket on the computed work this thr
 (engine.admission). A request may run at most max_seqs_per_request sequences. A waiting request
 whose queue deadline passes before any of it was computed is dropped (engine.request_ends, with
 aborts).
+While several tenants have sequences, a step decodes at most as many as keep it within
+shared_step_slowdown times the smallest tenant's own step; the widest tenants' decodes take turns
+(engine.step_width).
 `policy="fcfs"` orders within a tier by arrival alone (the baseline fair share is measured against).
 With speculative decoding (engine.speculative) a decoding sequence's step also carries its draft,
 where the budget and free blocks allow it, and update_from_output rolls back what was rejected.
@@ -35,6 +38,7 @@ from engine.rules import SERVICE_TIER_PRIORITY
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import Speculator
+from engine.step_width import SharedStepWidth
 
 # The tier that runs on spare capacity (`flex`, the batch lines): its decodes give way to a more
 # important tier's prefill steps (TierGate).
@@ -135,6 +139,12 @@ class Scheduler:
         self.tiers = TierGate(None, None)  # this step's (schedule() sets it)
         self.ends = RequestEnds(self)
         self.admission = Admission(self)
+        # While tenants share the replica, the widest ones' decodes take turns (engine.step_width).
+        self.step_width = SharedStepWidth(
+            scheduler_config.shared_step_slowdown, scheduler_config.decode_fixed_rows
+        )
+        self.num_steps = 0
+        self.num_sat_out = 0  # decodes that sat a step out for the shared step width
 
     # -- ordering -----------------------------------------------------------------------------
 
@@ -218,6 +228,8 @@ class Scheduler:
     ) -> None:
         item = ScheduledSequence(seq, num_new, draft or [])
         scheduled.append(item)
+        if seq.num_uncomputed_tokens == 1:
+            seq.last_decode_step = self.num_steps
         # Prompt tokens are service when computed (a cache hit or a recompute of outputs is not);
         # charged now, so the order of the rest of this step already sees them.
         end = min(item.start_pos + num_new, seq.num_prompt_tokens)
@@ -228,6 +240,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         aborted, expired = self.ends.take()
+        self.num_steps += 1
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
@@ -249,11 +262,16 @@ class Scheduler:
             self.config.lower_tier_prefill_tokens, self.running, self.waiting.peek()
         )
         held: list[Sequence] = []  # less important decodes, granted unless a prompt goes first
+        sit_out = self.step_width.sit_out(self.running, self.service.active())
+        self.num_sat_out += len(sit_out)
         i = 0
         while i < len(order) and budget > 0:
             seq: Sequence | None = order[i]
             assert seq is not None
             uncomputed = seq.num_uncomputed_tokens
+            if uncomputed == 1 and seq.seq_id in sit_out:
+                i += 1
+                continue
             if uncomputed == 1 and self.tiers.holds_decode(seq):
                 held.append(seq)
                 i += 1
@@ -401,4 +419,5 @@ class Scheduler:
             "prefix_cache_hit_rate": bm.prefix_cache_stats()["hit_rate"],
             "num_preemptions": self.num_preemptions,
             "num_expired": self.ends.num_expired,
+            "num_sat_out": self.num_sat_out,
         }

@@ -103,6 +103,8 @@ class Sequence:
         # Its n-gram lookup buffer and draft acceptance (engine.speculative), when the engine
         # speculates; built when it first decodes.
         self.speculation: Any = None
+        # The scheduler's step that last decoded it (engine.step_width: who takes turns first).
+        self.last_decode_step = -1
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -86,6 +86,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         " max-model-len); default: a quarter of max-num-batched-tokens; 0: never preempt for fair share",
     )
     cache.add_argument(
+        "--shared-step-slowdown",
+        type=float,
+        default=SchedulerConfig().shared_step_slowdown,
+        help="while several tenants have sequences, a step decodes at most as many as keep it within"
+        " this multiple of the smallest tenant's own step; the widest tenants take turns; 0: no bound",
+    )
+    cache.add_argument(
+        "--decode-fixed-rows",
+        type=float,
+        default=None,
+        help="a decode step's fixed cost in rows of per-sequence cost (for --shared-step-slowdown);"
+        " default: measured at warm-up on CPU, none on a GPU",
+    )
+    cache.add_argument(
         "--max-prefill-tokens-with-decodes",
         type=int,
         default=0,
@@ -231,6 +245,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=max_model_len,
             max_seqs_per_request=args.max_seqs_per_request,
             fair_preempt_tokens_per_step=args.fair_preempt_tokens_per_step,
+            shared_step_slowdown=args.shared_step_slowdown,
+            decode_fixed_rows=args.decode_fixed_rows,
         ),
         lora=lora_config_from_args(args),
         structured_output=StructuredOutputConfig(

@@ -89,3 +89,41 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int
     seconds = time.perf_counter() - started
     logger.info("warmed up %d step shapes in %.1f s", len(shapes), seconds)
     return seconds
+
+
+# The decode steps timed for a step's fixed cost: one sequence and this many (or max_num_seqs).
+FIXED_ROWS_PROBE_WIDTH = 32
+FIXED_ROWS_PROBE_CONTEXT = 100
+# Interleaved timings of each; the least of each is kept, since other processes on the machine
+# (the web tier starting beside the replica) only ever add time.
+FIXED_ROWS_REPEATS = 7
+
+
+def decode_fixed_rows(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> float | None:
+    """A decode step's fixed cost in rows of per-sequence cost (engine.step_width), from the
+    least times of steps of 1 and of FIXED_ROWS_PROBE_WIDTH decodes: with a step of b decodes
+    taking a + c * b, returns a / c. None where it cannot be measured (too few sequences or blocks,
+    or on a GPU, where a step's time barely grows with its batch); a step that does not grow
+    measurably gives a large value, and so no bound in practice."""
+    if runner.device.type != "cpu":
+        return None
+    wide = min(FIXED_ROWS_PROBE_WIDTH, max_num_seqs)
+    context = min(FIXED_ROWS_PROBE_CONTEXT, max_model_len)
+    if wide < 2 or wide * -(-context // runner.block_size) > runner.num_blocks:
+        return None
+    times: dict[int, list[float]] = {1: [], wide: []}
+    for _ in range(FIXED_ROWS_REPEATS):
+        for b in (1, wide):
+            inputs = runner.prepare(synthetic_step(runner, [context] * b, [1] * b))
+            started = time.perf_counter()
+            runner.execute(inputs)
+            times[b].append(time.perf_counter() - started)
+    one, many = min(times[1]), min(times[wide])
+    per_row = (many - one) / (wide - 1)
+    fixed = one - per_row
+    rows = fixed / per_row if per_row > 0 else float("inf")
+    rows = min(max(rows, 0.0), 64.0 * max_num_seqs)
+    logger.info(
+        "decode step: %.1f ms fixed, %.2f ms a sequence (%.1f rows)", 1e3 * fixed, 1e3 * per_row, rows
+    )
+    return rows

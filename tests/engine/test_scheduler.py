@@ -325,6 +325,7 @@ def test_finish_frees_the_blocks_and_stats_report_the_pool():
         "prefix_cache_hit_rate": 0.0,
         "num_preemptions": 0,
         "num_expired": 0,
+        "num_sat_out": 0,
     }
 
     sched.finish(seq, SequenceStatus.FINISHED_STOPPED, "stop")

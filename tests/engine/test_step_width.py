@@ -1,0 +1,203 @@
+"""Shared step width (engine.step_width): while tenants share a replica, the widest tenants'
+decodes take turns so that a step stays within shared_step_slowdown x the smallest tenant's own."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.step_width import tenant_cap, width
+from engine.warm_up import decode_fixed_rows
+
+
+@dataclass
+class Params:
+    max_tokens: int
+    n: int = 1
+    prompt_logprobs: int | None = None
+
+
+def _scheduler(*, fixed_rows: float | None, slowdown: float = 2.0, max_num_seqs: int = 64) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=1024,
+            max_num_seqs=max_num_seqs,
+            max_model_len=256,
+            shared_step_slowdown=slowdown,
+            decode_fixed_rows=fixed_rows,
+        ),
+        CacheConfig(block_size=4),
+        num_blocks=1024,
+    )
+
+
+def _add(sched: Scheduler, tenant: str, count: int, *, out: int = 1000) -> list[Sequence]:
+    seqs = []
+    for i in range(count):
+        tokens = [100 + sum(map(ord, tenant)) % 300, *([1 + i % 50] * 7)]
+        seq = Sequence(f"{tenant}{i}-{time.monotonic_ns()}", tokens, Params(out), tenant=tenant)
+        sched.add(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def _step(sched: Scheduler) -> Counter[str]:
+    """One step with fake tokens; returns the decodes it ran per tenant."""
+    out = sched.schedule()
+    decodes = Counter(item.seq.tenant for item in out.scheduled if item.num_new_tokens == 1)
+    sched.update_from_output(out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample})
+    return decodes
+
+
+def _until_all_decode(sched: Scheduler) -> None:
+    for _ in range(100):
+        if all(s.num_uncomputed_tokens == 1 for s in sched.running) and not sched.num_waiting:
+            return
+        _step(sched)
+    raise AssertionError("prompts still computing")
+
+
+def test_the_width_is_the_smallest_tenants_step_times_the_slowdown_in_rows():
+    # A step of b decodes costs a + c b; fixed_rows = a / c. (a + c w) <= 2 (a + c 2): w <= a/c + 4.
+    assert width(2.0, 9.0, 2) == 13
+    assert width(2.0, 0.0, 5) == 10
+    assert width(1.5, 10.0, 1) == 6
+    assert width(1.0, 50.0, 3) == 3  # never below the smallest tenant's own rows
+
+
+def test_the_per_tenant_cap_fills_the_width_from_the_smallest_tenant_up():
+    assert tenant_cap([2, 126], 13) == 11
+    assert tenant_cap([2, 50, 50], 12) == 5
+    assert tenant_cap([5, 5], 20) == 5  # everything fits
+    assert tenant_cap([30], 13) == 13
+
+
+def test_a_wide_tenants_decodes_take_turns_beside_a_small_one():
+    sched = _scheduler(fixed_rows=4.0)
+    wide = _add(sched, "wide", 30)
+    _until_all_decode(sched)
+    _add(sched, "small", 2)
+    _until_all_decode(sched)
+    sat_out = sched.num_sat_out
+    # width = (2 - 1) x 4 + 2 x 2 = 8 rows: the small tenant's 2 and 6 of the wide one's.
+    decoded = Counter()
+    for _ in range(5):
+        before = {s.seq_id: s.num_output_tokens for s in wide}
+        per_tenant = _step(sched)
+        assert per_tenant == {"small": 2, "wide": 6}
+        decoded.update(s.seq_id for s in wide if s.num_output_tokens > before[s.seq_id])
+    # Five steps of 6 turns: each of the 30 sequences decoded once, none twice.
+    assert sorted(decoded.values()) == [1] * 30
+    assert sched.num_sat_out - sat_out == 5 * 24
+    assert all(s.status is SequenceStatus.RUNNING for s in wide)  # no one lost its KV blocks
+
+
+def test_a_tenant_alone_decodes_every_sequence_each_step():
+    sched = _scheduler(fixed_rows=4.0)
+    _add(sched, "wide", 30)
+    _until_all_decode(sched)
+    assert _step(sched) == {"wide": 30}
+    assert sched.num_sat_out == 0
+
+
+def test_tenants_of_equal_size_run_together():
+    sched = _scheduler(fixed_rows=0.0)
+    _add(sched, "a", 10)
+    _add(sched, "b", 10)
+    _until_all_decode(sched)
+    assert _step(sched) == {"a": 10, "b": 10}
+
+
+def test_a_waiting_prompt_of_another_tenant_already_narrows_the_step():
+    sched = _scheduler(fixed_rows=4.0)
+    _add(sched, "wide", 30)
+    _until_all_decode(sched)
+    _add(sched, "small", 1)
+    out = sched.schedule()
+    decodes = [item for item in out.scheduled if item.seq.tenant == "wide"]
+    prompt = [item for item in out.scheduled if item.seq.tenant == "small"]
+    # width = 4 + 2 x 1 = 6: the wide tenant's decodes beside the small one's prompt.
+    assert len(decodes) == 6 and len(prompt) == 1 and prompt[0].num_new_tokens == 8
+
+
+@pytest.mark.parametrize("fixed_rows, slowdown", [(None, 2.0), (4.0, 0.0)])
+def test_without_a_fixed_cost_or_with_the_bound_off_nothing_sits_out(fixed_rows, slowdown):
+    sched = _scheduler(fixed_rows=fixed_rows, slowdown=slowdown)
+    _add(sched, "wide", 30)
+    _until_all_decode(sched)
+    _add(sched, "small", 2)
+    _until_all_decode(sched)
+    assert _step(sched) == {"wide": 30, "small": 2}
+
+
+def test_the_settings_are_checked():
+    with pytest.raises(ConfigError, match="shared_step_slowdown"):
+        SchedulerConfig(shared_step_slowdown=0.5)
+    with pytest.raises(ConfigError, match="decode_fixed_rows"):
+        SchedulerConfig(decode_fixed_rows=-1.0)
+
+
+def _engine(model_dir: Path, **scheduler) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            cache=CacheConfig(num_blocks=256, block_size=16),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, **scheduler),
+            warm_up=False,
+        )
+    )
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    for i in range(12):
+        engine.add_request(f"wide-{i}", [3, 5 + i, 7, 11 + i], greedy, tenant="wide")
+    tokens: dict[str, list[int]] = {}
+    engine.step()  # the wide tenant's prompts, alone
+    for i in range(2):
+        engine.add_request(f"small-{i}", [2, 9 + i, 4], greedy, tenant="small")
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    return tokens
+
+
+def test_sequences_that_sit_steps_out_decode_the_tokens_they_decode_without_the_bound(tiny_llama_dir: Path):
+    plain = _run(_engine(tiny_llama_dir, shared_step_slowdown=0.0))
+    engine = _engine(tiny_llama_dir, decode_fixed_rows=1.0)
+    bounded = _run(engine)
+    assert engine.scheduler.num_sat_out > 0
+    assert bounded == plain and len(bounded) == 14
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_total_blocks
+
+
+def test_warm_up_measures_the_decode_steps_fixed_cost_on_cpu(tiny_llama_dir: Path):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            cache=CacheConfig(num_blocks=512, block_size=16),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32),
+        )
+    )
+    fixed = engine.scheduler.step_width.fixed_rows
+    assert fixed is not None and 0.0 <= fixed <= 64 * 32
+    # One sequence a step, or too few blocks for the probe's wide step: not measured.
+    assert decode_fixed_rows(engine.runner, max_num_seqs=1, max_model_len=128) is None
+    small = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            cache=CacheConfig(num_blocks=64, block_size=16),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32),
+        )
+    )
+    assert small.scheduler.step_width.fixed_rows is None
