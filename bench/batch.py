@@ -38,7 +38,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._stack import ROOT, UNTHROTTLED, create_stack  # noqa: E402
+from bench._stack import (  # noqa: E402
+    ROOT,
+    UNTHROTTLED,
+    add_engine_setting_option,
+    create_stack,
+    engine_settings_from,
+)
 from bench.common import PromptSource, bench_model_dir, log, percentile, real_model_dir  # noqa: E402
 
 
@@ -138,6 +144,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--in-flight", type=int, default=16, help="PAGODA_BATCH_MAX_IN_FLIGHT")
+    add_engine_setting_option(parser, help="a deployment engine_settings entry (JSON value), repeatable")
     args = parser.parse_args()
 
     import openai
@@ -147,7 +154,9 @@ def main() -> None:
     os.environ["PAGODA_BATCH_RESUME_EVERY_SECONDS"] = "2"
     stack = create_stack(
         model_dir=model_dir,
-        engine_settings={"max_num_seqs": 32, "kv_cache_memory": "1GiB"},
+        engine_settings=engine_settings_from(
+            args.engine_setting, {"max_num_seqs": 32, "kv_cache_memory": "1GiB"}
+        ),
         max_queued=max(64, args.saturate * 2, args.in_flight * 2),
     )
     os.environ["PAGODA_MEDIA_DIR"] = str(stack.work_dir / "media")
