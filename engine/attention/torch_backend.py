@@ -194,12 +194,11 @@ def plan_step(
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
         end = start + q_len
+        flash = flash_fresh_min is not None and q_len == seq_len and q_len >= flash_fresh_min
         if q_len == 1:
             decode_rows.append(start)
             decode_seqs.append(i)
-        elif flash_fresh_min is not None and q_len == seq_len and q_len >= flash_fresh_min:
-            chunks.append(_ChunkPlan(start, end, seq_len, None, None))
-        elif q_len > 1 and prefill_kernel:
+        elif q_len > 1 and prefill_kernel and not flash:
             kernel_chunks.append((i, start, q_len, seq_len))
         elif q_len == seq_len:
             chunks.append(_ChunkPlan(start, end, seq_len, None, None))
