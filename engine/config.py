@@ -63,14 +63,17 @@ class SchedulerConfig:
     # fewer slots; the computed tokens those preemptions throw away accrue at this many per step (a
     # token bucket holding at most max_model_len). None: a quarter of max_num_batched_tokens; 0: never.
     fair_preempt_tokens_per_step: int | None = None
-    # While two or more tenants have unfinished sequences, a step decodes at most as many
-    # sequences as keep it within this multiple of the step the smallest tenant would run alone
+    # While two or more tenants have unfinished sequences, a step decodes and computes prompt
+    # tokens within this multiple of the step the smallest tenant would run alone
     # (engine.step_width); the widest tenants' sequences take turns. 0: no bound.
     shared_step_slowdown: float = 1.5
     # A decode step's fixed cost (reading the weights) in rows of per-sequence cost. None: measured
     # at warm-up on CPU (engine.warm_up.decode_fixed_rows); on a GPU, or without warm-up, unknown,
     # and then nothing is held back.
     decode_fixed_rows: float | None = None
+    # A prompt token's cost in rows of a decoded sequence's (for the same bound). None: measured at
+    # warm-up on CPU with decode_fixed_rows; unknown, prompt tokens are not held back.
+    prompt_token_rows: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens_with_decodes < 0:
@@ -103,6 +106,8 @@ class SchedulerConfig:
             )
         if self.decode_fixed_rows is not None and self.decode_fixed_rows < 0:
             raise ConfigError(f"decode_fixed_rows must be >= 0, got {self.decode_fixed_rows}")
+        if self.prompt_token_rows is not None and self.prompt_token_rows <= 0:
+            raise ConfigError(f"prompt_token_rows must be > 0, got {self.prompt_token_rows}")
         if self.fair_preempt_tokens_per_step is None:
             self.fair_preempt_tokens_per_step = self.max_num_batched_tokens // 4
         elif self.fair_preempt_tokens_per_step < 0:

@@ -29,6 +29,7 @@ _SCHEDULER_FIELDS = {
     "fair_preempt_tokens_per_step",
     "shared_step_slowdown",
     "decode_fixed_rows",
+    "prompt_token_rows",
 }
 
 

@@ -29,7 +29,7 @@ from engine.sequence import Sequence
 from engine.speculative import Speculator
 from engine.step_profile import StepProfile
 from engine.structured_output.manager import GrammarRequests
-from engine.warm_up import decode_fixed_rows, warm_up
+from engine.warm_up import shared_step_costs, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +97,19 @@ class LLMEngine:
             if config.warm_up
             else 0.0
         )
+        sched_config = setup.scheduler_config
         if (
             config.warm_up
-            and setup.scheduler_config.decode_fixed_rows is None
-            and setup.scheduler_config.shared_step_slowdown > 0
+            and sched_config.shared_step_slowdown > 0
+            and None in (sched_config.decode_fixed_rows, sched_config.prompt_token_rows)
         ):
-            self.scheduler.step_width.fixed_rows = decode_fixed_rows(
-                self.runner, setup.scheduler_config.max_num_seqs, self.max_model_len
-            )
+            costs = shared_step_costs(self.runner, sched_config.max_num_seqs, self.max_model_len)
+            width = self.scheduler.step_width
+            if costs is not None:  # what the deployment set stands
+                if sched_config.decode_fixed_rows is None:
+                    width.fixed_rows = costs.fixed_rows
+                if sched_config.prompt_token_rows is None:
+                    width.prompt_token_rows = costs.prompt_token_rows
         self._requests: dict[str, EngineRequest] = {}
         self._completions: dict[int, Completion] = {}  # seq_id -> completion
         self.grammar_waits = GrammarWaits(self)

@@ -66,6 +66,15 @@ class WaitingQueue(Generic[Q]):
             for q in level.tenants.values():
                 yield from q
 
+    def heads(self) -> Iterator[Q]:
+        """The resumed sequences and each tenant's first waiting one: those that may start next."""
+        for p in sorted(self._levels):
+            level = self._levels[p]
+            yield from level.resumed
+            for q in level.tenants.values():
+                if q:
+                    yield q[0]
+
     def push(self, seq: Q, *, resumed: bool = False, first: bool = False) -> None:
         level = self._levels.setdefault(seq.priority, _Level[Q]())
         self._len += 1

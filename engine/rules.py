@@ -259,6 +259,7 @@ ENGINE_SETTINGS = {
     "fair_preempt_tokens_per_step": "int",
     "shared_step_slowdown": "float",
     "decode_fixed_rows": "float",
+    "prompt_token_rows": "float",
     "max_num_batched_tokens": "int",
     "max_prefill_tokens_with_decodes": "int",
     "lower_tier_prefill_tokens": "int",

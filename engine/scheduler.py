@@ -11,9 +11,9 @@ holds more (weighted) slots, within a token bucket on the computed work this thr
 (engine.admission). A request may run at most max_seqs_per_request sequences. A waiting request
 whose queue deadline passes before any of it was computed is dropped (engine.request_ends, with
 aborts).
-While several tenants have sequences, a step decodes at most as many as keep it within
-shared_step_slowdown times the smallest tenant's own step; the widest tenants' decodes take turns
-(engine.step_width).
+While several tenants have work in a step, its decodes and prompt tokens stay within
+shared_step_slowdown times the least demanding tenant's own step: the widest tenants' decodes take
+turns and their prompts are computed a chunk a step (engine.step_width).
 `policy="fcfs"` orders within a tier by arrival alone (the baseline fair share is measured against).
 With speculative decoding (engine.speculative) a decoding sequence's step also carries its draft,
 where the budget and free blocks allow it, and update_from_output rolls back what was rejected.
@@ -38,7 +38,7 @@ from engine.rules import SERVICE_TIER_PRIORITY
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import Speculator
-from engine.step_width import SharedStepWidth
+from engine.step_width import SharedStepWidth, StepShare
 
 # The tier that runs on spare capacity (`flex`, the batch lines): its decodes give way to a more
 # important tier's prefill steps (TierGate).
@@ -141,8 +141,11 @@ class Scheduler:
         self.admission = Admission(self)
         # While tenants share the replica, the widest ones' decodes take turns (engine.step_width).
         self.step_width = SharedStepWidth(
-            scheduler_config.shared_step_slowdown, scheduler_config.decode_fixed_rows
+            scheduler_config.shared_step_slowdown,
+            scheduler_config.decode_fixed_rows,
+            scheduler_config.prompt_token_rows,
         )
+        self.share = StepShare()  # this step's (schedule() sets it)
         self.num_steps = 0
         self.num_sat_out = 0  # decodes that sat a step out for the shared step width
 
@@ -238,6 +241,15 @@ class Scheduler:
             self.service.charge(seq.tenant, prompt_tokens=prompt)
             seq.num_prompt_tokens_charged = end
 
+    def allow_prompt(self, seq: Sequence, tokens: int) -> int:
+        """The prompt tokens of `tokens` that `seq` may compute this step: what the tier gate and
+        the shared step width leave it."""
+        return self.share.allow(seq, self.tiers.allow(seq, tokens))
+
+    def charge_prompt(self, seq: Sequence, tokens: int) -> None:
+        self.tiers.charge(seq, tokens)
+        self.share.charge(seq, tokens)
+
     def schedule(self) -> SchedulerOutput:
         aborted, expired = self.ends.take()
         self.num_steps += 1
@@ -262,7 +274,13 @@ class Scheduler:
             self.config.lower_tier_prefill_tokens, self.running, self.waiting.peek()
         )
         held: list[Sequence] = []  # less important decodes, granted unless a prompt goes first
-        sit_out = self.step_width.sit_out(self.running, self.service.active())
+        self.share = self.step_width.plan(
+            self.running,
+            self.waiting.heads() if len(self.running) < self.config.max_num_seqs else (),
+            self.service.active(),
+            min(self.config.max_num_batched_tokens, prefill_budget),
+        )
+        sit_out = self.share.sit_out
         self.num_sat_out += len(sit_out)
         i = 0
         while i < len(order) and budget > 0:
@@ -278,7 +296,7 @@ class Scheduler:
                 continue
             num_new = self.num_new_tokens(
                 uncomputed,
-                budget if uncomputed == 1 else self.tiers.allow(seq, min(budget, prefill_budget)),
+                budget if uncomputed == 1 else self.allow_prompt(seq, min(budget, prefill_budget)),
             )
             if num_new == 0:
                 i += 1
@@ -303,7 +321,7 @@ class Scheduler:
                 budget -= num_new
                 if uncomputed > 1:
                     prefill_budget -= num_new
-                    self.tiers.charge(seq, num_new)
+                    self.charge_prompt(seq, num_new)
                 i += 1
 
         # Admitting while preempting for room would only evict what was just admitted on the next

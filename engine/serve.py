@@ -100,6 +100,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         " default: measured at warm-up on CPU, none on a GPU",
     )
     cache.add_argument(
+        "--prompt-token-rows",
+        type=float,
+        default=None,
+        help="a prompt token's cost in rows of per-sequence cost (for --shared-step-slowdown);"
+        " default: measured at warm-up on CPU, none on a GPU",
+    )
+    cache.add_argument(
         "--max-prefill-tokens-with-decodes",
         type=int,
         default=0,
@@ -247,6 +254,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             fair_preempt_tokens_per_step=args.fair_preempt_tokens_per_step,
             shared_step_slowdown=args.shared_step_slowdown,
             decode_fixed_rows=args.decode_fixed_rows,
+            prompt_token_rows=args.prompt_token_rows,
         ),
         lora=lora_config_from_args(args),
         structured_output=StructuredOutputConfig(

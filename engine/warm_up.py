@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -91,39 +92,65 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int
     return seconds
 
 
-# The decode steps timed for a step's fixed cost: one sequence and this many (or max_num_seqs).
+# The decode steps timed for a step's fixed cost: one sequence and this many (or max_num_seqs);
+# and one sequence beside a prompt chunk of this many tokens, for a prompt token's cost.
 FIXED_ROWS_PROBE_WIDTH = 32
 FIXED_ROWS_PROBE_CONTEXT = 100
+PROMPT_PROBE_TOKENS = 32
 # Interleaved timings of each; the least of each is kept, since other processes on the machine
 # (the web tier starting beside the replica) only ever add time.
 FIXED_ROWS_REPEATS = 7
 
 
-def decode_fixed_rows(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> float | None:
-    """A decode step's fixed cost in rows of per-sequence cost (engine.step_width), from the
-    least times of steps of 1 and of FIXED_ROWS_PROBE_WIDTH decodes: with a step of b decodes
-    taking a + c * b, returns a / c. None where it cannot be measured (too few sequences or blocks,
-    or on a GPU, where a step's time barely grows with its batch); a step that does not grow
-    measurably gives a large value, and so no bound in practice."""
+@dataclass(frozen=True, slots=True)
+class SharedStepCosts:
+    """A step's costs in rows of a decoded sequence's cost (engine.step_width)."""
+
+    fixed_rows: float  # the step's fixed cost (reading the weights)
+    prompt_token_rows: float  # one prompt token's
+
+
+def shared_step_costs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> SharedStepCosts | None:
+    """A step's fixed cost and a prompt token's, in rows of per-sequence decode cost, from the least
+    times of steps of 1 and of FIXED_ROWS_PROBE_WIDTH decodes and of one decode beside a
+    PROMPT_PROBE_TOKENS-token prompt chunk: with a step of b decodes and p prompt tokens taking
+    a + c * b + d * p, returns a / c and d / c. None where it cannot be measured (too few sequences
+    or blocks, or on a GPU, where a step's time barely grows with its batch); a step that does not
+    grow measurably gives a large fixed cost, and so no bound in practice."""
     if runner.device.type != "cpu":
         return None
     wide = min(FIXED_ROWS_PROBE_WIDTH, max_num_seqs)
     context = min(FIXED_ROWS_PROBE_CONTEXT, max_model_len)
-    if wide < 2 or wide * -(-context // runner.block_size) > runner.num_blocks:
+    prompt = min(PROMPT_PROBE_TOKENS, max_model_len)
+    blocks = -(-context // runner.block_size)
+    if wide < 2 or max(wide * blocks, blocks + -(-prompt // runner.block_size)) > runner.num_blocks:
         return None
-    times: dict[int, list[float]] = {1: [], wide: []}
+    shapes = {
+        "one": ([context], [1]),
+        "wide": ([context] * wide, [1] * wide),
+        "prompt": ([context, prompt], [1, prompt]),
+    }
+    times: dict[str, list[float]] = {name: [] for name in shapes}
     for _ in range(FIXED_ROWS_REPEATS):
-        for b in (1, wide):
-            inputs = runner.prepare(synthetic_step(runner, [context] * b, [1] * b))
+        for name, (lengths, new) in shapes.items():
+            inputs = runner.prepare(synthetic_step(runner, lengths, new))
             started = time.perf_counter()
             runner.execute(inputs)
-            times[b].append(time.perf_counter() - started)
-    one, many = min(times[1]), min(times[wide])
+            times[name].append(time.perf_counter() - started)
+    one, many, chunk = (min(times[name]) for name in shapes)
     per_row = (many - one) / (wide - 1)
+    if per_row <= 0:
+        return SharedStepCosts(64.0 * max_num_seqs, 1.0)
     fixed = one - per_row
-    rows = fixed / per_row if per_row > 0 else float("inf")
-    rows = min(max(rows, 0.0), 64.0 * max_num_seqs)
+    rows = min(max(fixed / per_row, 0.0), 64.0 * max_num_seqs)
+    per_token = max((chunk - one) / prompt, 0.0)
+    token_rows = min(max(per_token / per_row, 0.01), 64.0)
     logger.info(
-        "decode step: %.1f ms fixed, %.2f ms a sequence (%.1f rows)", 1e3 * fixed, 1e3 * per_row, rows
+        "decode step: %.1f ms fixed, %.2f ms a sequence (%.1f rows), %.2f ms a prompt token (%.2f rows)",
+        1e3 * fixed,
+        1e3 * per_row,
+        rows,
+        1e3 * per_token,
+        token_rows,
     )
-    return rows
+    return SharedStepCosts(rows, token_rows)

@@ -15,8 +15,8 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.step_width import tenant_cap, width
-from engine.warm_up import decode_fixed_rows
+from engine.step_width import LINGER_S, SharedStepWidth, tenant_cap, width
+from engine.warm_up import shared_step_costs
 
 
 @dataclass
@@ -26,7 +26,13 @@ class Params:
     prompt_logprobs: int | None = None
 
 
-def _scheduler(*, fixed_rows: float | None, slowdown: float = 2.0, max_num_seqs: int = 64) -> Scheduler:
+def _scheduler(
+    *,
+    fixed_rows: float | None,
+    slowdown: float = 2.0,
+    max_num_seqs: int = 64,
+    prompt_token_rows: float | None = None,
+) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=1024,
@@ -34,16 +40,17 @@ def _scheduler(*, fixed_rows: float | None, slowdown: float = 2.0, max_num_seqs:
             max_model_len=256,
             shared_step_slowdown=slowdown,
             decode_fixed_rows=fixed_rows,
+            prompt_token_rows=prompt_token_rows,
         ),
         CacheConfig(block_size=4),
         num_blocks=1024,
     )
 
 
-def _add(sched: Scheduler, tenant: str, count: int, *, out: int = 1000) -> list[Sequence]:
+def _add(sched: Scheduler, tenant: str, count: int, *, out: int = 1000, prompt: int = 8) -> list[Sequence]:
     seqs = []
     for i in range(count):
-        tokens = [100 + sum(map(ord, tenant)) % 300, *([1 + i % 50] * 7)]
+        tokens = [100 + sum(map(ord, tenant)) % 300, *([1 + i % 50] * (prompt - 1))]
         seq = Sequence(f"{tenant}{i}-{time.monotonic_ns()}", tokens, Params(out), tenant=tenant)
         sched.add(seq)
         seqs.append(seq)
@@ -66,17 +73,19 @@ def _until_all_decode(sched: Scheduler) -> None:
     raise AssertionError("prompts still computing")
 
 
-def test_the_width_is_the_smallest_tenants_step_times_the_slowdown_in_rows():
-    # A step of b decodes costs a + c b; fixed_rows = a / c. (a + c w) <= 2 (a + c 2): w <= a/c + 4.
+def test_the_width_is_the_least_demanding_tenants_step_times_the_slowdown_in_rows():
+    # A step of b rows costs a + c b; fixed_rows = a / c. (a + c w) <= 2 (a + c 2): w <= a/c + 4.
     assert width(2.0, 9.0, 2) == 13
     assert width(2.0, 0.0, 5) == 10
-    assert width(1.5, 10.0, 1) == 6
-    assert width(1.0, 50.0, 3) == 3  # never below the smallest tenant's own rows
+    assert width(1.5, 10.0, 1) == 6.5
+    assert width(1.5, 10.0, 36 * 0.5) == 32  # a 36-token prompt at half a row a token
+    assert width(1.0, 50.0, 3) == 3  # never below the least demanding tenant's own rows
 
 
 def test_the_per_tenant_cap_fills_the_width_from_the_smallest_tenant_up():
     assert tenant_cap([2, 126], 13) == 11
     assert tenant_cap([2, 50, 50], 12) == 5
+    assert tenant_cap([2, 50, 50], 13) == 5.5
     assert tenant_cap([5, 5], 20) == 5  # everything fits
     assert tenant_cap([30], 13) == 13
 
@@ -125,8 +134,9 @@ def test_a_waiting_prompt_of_another_tenant_already_narrows_the_step():
     out = sched.schedule()
     decodes = [item for item in out.scheduled if item.seq.tenant == "wide"]
     prompt = [item for item in out.scheduled if item.seq.tenant == "small"]
-    # width = 4 + 2 x 1 = 6: the wide tenant's decodes beside the small one's prompt.
-    assert len(decodes) == 6 and len(prompt) == 1 and prompt[0].num_new_tokens == 8
+    # width = 4 + 2 x 1 = 6 rows: the small one's prompt (one row without a prompt token's cost)
+    # and 5 of the wide tenant's decodes.
+    assert len(decodes) == 5 and len(prompt) == 1 and prompt[0].num_new_tokens == 8
 
 
 @pytest.mark.parametrize("fixed_rows, slowdown", [(None, 2.0), (4.0, 0.0)])
@@ -139,11 +149,74 @@ def test_without_a_fixed_cost_or_with_the_bound_off_nothing_sits_out(fixed_rows,
     assert _step(sched) == {"wide": 30, "small": 2}
 
 
+def _prompt_tokens(out, tenant: str) -> int:
+    return sum(
+        item.num_new_tokens for item in out.scheduled if item.seq.tenant == tenant and item.num_new_tokens > 1
+    )
+
+
+@pytest.mark.parametrize("prompt_token_rows", [0.5, None])
+def test_a_long_prompt_is_computed_a_chunk_a_step_beside_another_tenants_decodes(prompt_token_rows):
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=prompt_token_rows)
+    _add(sched, "small", 2)
+    _until_all_decode(sched)
+    (long,) = _add(sched, "long", 1, prompt=200)
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out = sched.schedule()
+        chunks.append(_prompt_tokens(out, "long"))
+        # The small tenant's streams decode every step.
+        assert Counter(i.seq.tenant for i in out.scheduled if i.num_new_tokens == 1)["small"] == 2
+        sched.update_from_output(out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample})
+    if prompt_token_rows is None:  # prompt tokens not priced: the whole prompt in one step
+        assert chunks == [200]
+        return
+    # width = (2 - 1) x 4 + 2 x 2 = 8 rows: the small tenant's 2 decodes, and 6 rows of the long
+    # prompt at half a row a token, 12 tokens a step.
+    assert chunks == [12] * 16 + [8]
+
+
+def test_the_least_demanding_tenants_prompt_is_not_held_back_beside_a_wide_tenants_decodes():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5)
+    wide = _add(sched, "wide", 30)
+    _until_all_decode(sched)
+    _add(sched, "small", 1, prompt=36)
+    out = sched.schedule()
+    # The small tenant's step alone: its 36 prompt tokens, 18 rows. width = 4 + 2 x 18 = 40 rows:
+    # all of its prompt, and 22 of the wide tenant's decodes.
+    assert _prompt_tokens(out, "small") == 36
+    assert sum(1 for item in out.scheduled if item.seq in wide) == 22
+
+
+def test_a_tenant_whose_sequences_just_finished_still_narrows_the_step():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5)
+    now = [100.0]
+    sched.step_width = SharedStepWidth(2.0, 4.0, 0.5, clock=lambda: now[0])
+    (small,) = _add(sched, "small", 1)
+    (long,) = _add(sched, "long", 1, prompt=200)
+    _step(sched)
+    sched.finish(small, SequenceStatus.FINISHED_LENGTH, "length")
+    # The small tenant's client sends its next request in a moment: meanwhile the long prompt
+    # goes on a chunk a step: width = 4 + 2 x 1 = 6 rows, one of them the small tenant's, and 5
+    # for 10 prompt tokens.
+    now[0] += LINGER_S / 2
+    out = sched.schedule()
+    assert _prompt_tokens(out, "long") == 10
+    sched.update_from_output(out, {})
+    # Gone for longer: the long prompt has the step to itself, all of what is left of it.
+    now[0] += LINGER_S
+    left = long.num_prompt_tokens - long.num_computed_tokens
+    out = sched.schedule()
+    assert left > 150 and _prompt_tokens(out, "long") == left
+
+
 def test_the_settings_are_checked():
     with pytest.raises(ConfigError, match="shared_step_slowdown"):
         SchedulerConfig(shared_step_slowdown=0.5)
     with pytest.raises(ConfigError, match="decode_fixed_rows"):
         SchedulerConfig(decode_fixed_rows=-1.0)
+    with pytest.raises(ConfigError, match="prompt_token_rows"):
+        SchedulerConfig(prompt_token_rows=0.0)
 
 
 def _engine(model_dir: Path, **scheduler) -> LLMEngine:
@@ -157,7 +230,8 @@ def _engine(model_dir: Path, **scheduler) -> LLMEngine:
     )
 
 
-def _run(engine: LLMEngine) -> dict[str, list[int]]:
+def _run(engine: LLMEngine, chunks: list[int] | None = None) -> dict[str, list[int]]:
+    """Each request's greedy tokens; `chunks` gets the long prompt's tokens computed per step."""
     greedy = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     for i in range(12):
         engine.add_request(f"wide-{i}", [3, 5 + i, 7, 11 + i], greedy, tenant="wide")
@@ -165,19 +239,31 @@ def _run(engine: LLMEngine) -> dict[str, list[int]]:
     engine.step()  # the wide tenant's prompts, alone
     for i in range(2):
         engine.add_request(f"small-{i}", [2, 9 + i, 4], greedy, tenant="small")
+    engine.add_request("long", [(5 + 7 * i) % 200 + 3 for i in range(150)], greedy, tenant="long")
+    (long,) = engine.scheduler.requests["long"]
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        computed = long.num_computed_tokens
+        outputs = engine.step()
+        if chunks is not None and computed < long.num_prompt_tokens:
+            chunks.append(min(long.num_computed_tokens, long.num_prompt_tokens) - computed)
+        for output in outputs:
             if output.finished:
                 tokens[output.request_id] = list(output.outputs[0].token_ids)
     return tokens
 
 
 def test_sequences_that_sit_steps_out_decode_the_tokens_they_decode_without_the_bound(tiny_llama_dir: Path):
-    plain = _run(_engine(tiny_llama_dir, shared_step_slowdown=0.0))
-    engine = _engine(tiny_llama_dir, decode_fixed_rows=1.0)
-    bounded = _run(engine)
+    whole: list[int] = []
+    plain = _run(_engine(tiny_llama_dir, shared_step_slowdown=0.0), whole)
+    engine = _engine(tiny_llama_dir, decode_fixed_rows=1.0, prompt_token_rows=1.0)
+    chunks: list[int] = []
+    bounded = _run(engine, chunks)
     assert engine.scheduler.num_sat_out > 0
-    assert bounded == plain and len(bounded) == 14
+    # Without the bound the long prompt is computed in one step; with it, a chunk a step, and its
+    # completion is the same.
+    assert whole == [150]
+    assert len(chunks) > 5 and sum(chunks) == 150
+    assert bounded == plain and len(bounded) == 15
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_total_blocks
 
 
@@ -191,8 +277,10 @@ def test_warm_up_measures_the_decode_steps_fixed_cost_on_cpu(tiny_llama_dir: Pat
     )
     fixed = engine.scheduler.step_width.fixed_rows
     assert fixed is not None and 0.0 <= fixed <= 64 * 32
+    token_rows = engine.scheduler.step_width.prompt_token_rows
+    assert token_rows is not None and 0.0 < token_rows <= 64
     # One sequence a step, or too few blocks for the probe's wide step: not measured.
-    assert decode_fixed_rows(engine.runner, max_num_seqs=1, max_model_len=128) is None
+    assert shared_step_costs(engine.runner, max_num_seqs=1, max_model_len=128) is None
     small = LLMEngine(
         EngineConfig(
             model=str(tiny_llama_dir),
