@@ -95,7 +95,7 @@ class StepShare:
 
 # A tenant whose sequences all finished less than this long ago is still present (its client's next
 # request is on its way): the step stays as narrow as for a tenant with a single row.
-LINGER_S = 1.0
+LINGER_S = 0.25
 
 
 class SharedStepWidth:
