@@ -63,12 +63,12 @@ class SchedulerConfig:
     # fewer slots; the computed tokens those preemptions throw away accrue at this many per step (a
     # token bucket holding at most max_model_len). None: a quarter of max_num_batched_tokens; 0: never.
     fair_preempt_tokens_per_step: int | None = None
-    # While two or more tenants have unfinished sequences, a step decodes and computes prompt
-    # tokens within this multiple of the step the smallest tenant would run alone
-    # (engine.step_width); the widest tenants' sequences take turns. 0: no bound.
+    # While two or more tenants are present, a step's decodes and prompt tokens stay within this
+    # multiple of the step the least demanding tenant would run alone (engine.step_width); the
+    # widest tenants' sequences take turns and their prompts go a chunk a step. 0: no bound.
     shared_step_slowdown: float = 1.5
     # A decode step's fixed cost (reading the weights) in rows of per-sequence cost. None: measured
-    # at warm-up on CPU (engine.warm_up.decode_fixed_rows); on a GPU, or without warm-up, unknown,
+    # at warm-up on CPU (engine.warm_up.shared_step_costs); on a GPU, or without warm-up, unknown,
     # and then nothing is held back.
     decode_fixed_rows: float | None = None
     # A prompt token's cost in rows of a decoded sequence's (for the same bound). None: measured at

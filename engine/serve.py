@@ -89,8 +89,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--shared-step-slowdown",
         type=float,
         default=SchedulerConfig().shared_step_slowdown,
-        help="while several tenants have sequences, a step decodes at most as many as keep it within"
-        " this multiple of the smallest tenant's own step; the widest tenants take turns; 0: no bound",
+        help="while several tenants are present, a step's decodes and prompt tokens stay within this"
+        " multiple of the least demanding tenant's own step; the widest tenants take turns; 0: no bound",
     )
     cache.add_argument(
         "--decode-fixed-rows",

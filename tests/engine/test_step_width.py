@@ -1,5 +1,6 @@
 """Shared step width (engine.step_width): while tenants share a replica, the widest tenants'
-decodes take turns so that a step stays within shared_step_slowdown x the smallest tenant's own."""
+decodes take turns and their prompts go a chunk a step, so that a step stays within
+shared_step_slowdown x the least demanding tenant's own."""
 
 from __future__ import annotations
 
