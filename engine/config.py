@@ -139,6 +139,10 @@ class StructuredOutputConfig:
     # Compile processes per replica, and how many of them one tenant may hold at once.
     max_compiles: int = 2
     max_compiles_per_tenant: int = 1
+    # A compile still running after BACKGROUND_AFTER_S (engine.structured_output.compiler) goes on
+    # at this nice value (0: at the engine's own): the engine's steps, which every tenant waits on,
+    # come before one request's slow grammar when the cores are busy.
+    compile_nice: int = 10
     # CPU milliseconds one token mask of a grammar may take, measured on a short walk after
     # compiling (the costliest mask met); above it the request ends with grammar_too_costly.
     # Ordinary schemas take well under a millisecond; a bounded string (maxLength 40) 1-3 ms on a
@@ -157,6 +161,8 @@ class StructuredOutputConfig:
             raise ConfigError(f"grammar compile_timeout_s must be positive, got {self.compile_timeout_s}")
         if self.max_compiles < 1 or not 1 <= self.max_compiles_per_tenant <= self.max_compiles:
             raise ConfigError("need max_compiles >= 1 and 1 <= max_compiles_per_tenant <= max_compiles")
+        if not 0 <= self.compile_nice <= 19:
+            raise ConfigError(f"grammar compile_nice must be within 0..19, got {self.compile_nice}")
         if not 0 < self.max_mask_ms < float("inf"):
             raise ConfigError(f"grammar max_mask_ms must be positive, got {self.max_mask_ms}")
         if not 0 < self.max_request_mask_ms < float("inf"):

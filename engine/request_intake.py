@@ -56,7 +56,11 @@ def add_request(
     grammar: CompileJob | None = None
     if sampling_params.structured_outputs is not None:
         grammar = engine.grammars.acquire(
-            sampling_params.structured_outputs, tenant=tenant, cache_salt=cache_salt, n=sampling_params.n
+            sampling_params.structured_outputs,
+            tenant=tenant,
+            cache_salt=cache_salt,
+            n=sampling_params.n,
+            deadline=None if deadline is None else float(deadline),
         )
     try:
         lora_id = _lora_id(engine, tenant, lora, sampling_params.n)

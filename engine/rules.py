@@ -275,6 +275,7 @@ ENGINE_SETTINGS = {
     "grammar_compile_timeout_s": "float",
     "grammar_max_compiles": "int",
     "grammar_max_compiles_per_tenant": "int",
+    "grammar_compile_nice": "int",
     "grammar_max_mask_ms": "float",
     "grammar_max_request_mask_ms": "float",
     "grammar_cache_bytes": "size",

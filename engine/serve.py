@@ -137,6 +137,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--grammar-max-compiles-per-tenant", type=int, default=bounds.max_compiles_per_tenant
     )
     grammar.add_argument(
+        "--grammar-compile-nice",
+        type=int,
+        default=bounds.compile_nice,
+        help="nice value of a compile still running after its first moments (0: never lowered)",
+    )
+    grammar.add_argument(
         "--grammar-max-mask-ms", type=float, default=bounds.max_mask_ms, help="CPU ms one token mask may take"
     )
     grammar.add_argument(
@@ -261,6 +267,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             compile_timeout_s=args.grammar_compile_timeout_s,
             max_compiles=args.grammar_max_compiles,
             max_compiles_per_tenant=args.grammar_max_compiles_per_tenant,
+            compile_nice=args.grammar_compile_nice,
             max_mask_ms=args.grammar_max_mask_ms,
             max_request_mask_ms=args.grammar_max_request_mask_ms,
             cache_bytes=args.grammar_cache_bytes,

@@ -5,14 +5,23 @@ one starts in tens of milliseconds), because xgrammar cannot stop a compile once
 compile past its timeout, or whose requests all went away, is ended by killing its process.
 
 Messages are JSON bytes on a multiprocessing connection (never pickled data): first the tokenizer
-info (xgrammar's serialize_json), then per job {"spec", "max_mask_ms"}; the answer is a header
-{"ok": true, "mask_ms"} followed by the compiled grammar's JSON, or {"ok": false, "code", "message"}.
+info (xgrammar's serialize_json), then per job {"spec", "max_mask_ms", "background_after_s", "nice"};
+the answer is a header {"ok": true, "mask_ms", "background"} followed by the compiled grammar's
+JSON, or {"ok": false, "code", "message", "background"}.
+
+Each job runs in a thread of its own. One still running after background_after_s has that thread's
+nice value raised to `nice` (Linux keeps a nice value per thread): the rest of a slow compile yields
+the cores to the engine's steps. The process's main thread keeps its priority, and the next job's
+thread starts at it again: a priority, once lowered, cannot be raised back without privileges.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -22,6 +31,8 @@ import xgrammar as xgr
 from engine.protocol import ErrorCode
 from engine.structured_output.grammar import build_grammar
 from engine.structured_output.spec import StructuredOutputsError
+
+logger = logging.getLogger(__name__)
 
 # The mask cost probe: this many walks of this many tokens from the initial state, each token drawn
 # (seeded) among those the grammar allows. Cheap for a well-behaved grammar (tens of microseconds per
@@ -68,6 +79,48 @@ def mask_cost_ms(compiled: Any, info: Any, *, budget_ms: float, seed: int = 0) -
     return worst
 
 
+def compile_one(compiler: Any, info: Any, job: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """One job's answer: its header, and the compiled grammar's JSON when it compiled."""
+    try:
+        compiled = compiler.compile_grammar(build_grammar(job["spec"]))
+    except StructuredOutputsError as exc:
+        return {"ok": False, "code": ErrorCode.INVALID_REQUEST, "message": str(exc)}, None
+    except Exception as exc:  # xgrammar failing on a grammar it built: that request's error alone
+        message = f"The grammar could not be compiled: {type(exc).__name__}"
+        return {"ok": False, "code": ErrorCode.INVALID_REQUEST, "message": message}, None
+    limit = float(job["max_mask_ms"])
+    cost = mask_cost_ms(compiled, info, budget_ms=limit)
+    if cost > limit:
+        message = (
+            f"The structured output grammar is too costly to enforce: one token mask took {cost:.1f} ms"
+            f" of CPU time, above this engine's limit of {limit:g} ms (max_mask_ms). Bounded"
+            " repetitions of wide character classes (such as .{0,4000}) cost the most."
+        )
+        return {"ok": False, "code": ErrorCode.GRAMMAR_TOO_COSTLY, "message": message}, None
+    return {"ok": True, "mask_ms": cost}, compiled.serialize_json()
+
+
+def _run_in_thread(compiler: Any, info: Any, job: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    answer: list[tuple[dict[str, Any], str | None]] = []
+    worker = threading.Thread(target=lambda: answer.append(compile_one(compiler, info, job)), daemon=True)
+    worker.start()
+    worker.join(float(job.get("background_after_s", 0.0)))
+    background = False
+    nice = int(job.get("nice", 0))
+    if worker.is_alive() and nice > 0 and worker.native_id is not None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, worker.native_id, nice)
+            background = True
+        except OSError:  # it ended meanwhile, or the platform refuses: it runs on as it is
+            logger.debug("could not lower a compile thread's priority", exc_info=True)
+    worker.join()
+    if not answer:  # the thread died without an answer: compile_one catches what a grammar raises
+        return {"ok": False, "code": ErrorCode.ENGINE_ERROR, "message": "The grammar compile failed."}, None
+    header, text = answer[0]
+    header["background"] = background
+    return header, text
+
+
 def serve(conn: Any) -> None:
     """The compile process's loop (the target of its Process)."""
     info = xgr.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())
@@ -78,30 +131,7 @@ def serve(conn: Any) -> None:
             job = json.loads(conn.recv_bytes())
         except EOFError:
             return
-        try:
-            compiled = compiler.compile_grammar(build_grammar(job["spec"]))
-        except StructuredOutputsError as exc:
-            conn.send_bytes(
-                json.dumps({"ok": False, "code": ErrorCode.INVALID_REQUEST, "message": str(exc)}).encode()
-            )
-            continue
-        except Exception as exc:  # xgrammar failing on a grammar it built: that request's error alone
-            message = f"The grammar could not be compiled: {type(exc).__name__}"
-            conn.send_bytes(
-                json.dumps({"ok": False, "code": ErrorCode.INVALID_REQUEST, "message": message}).encode()
-            )
-            continue
-        limit = float(job["max_mask_ms"])
-        cost = mask_cost_ms(compiled, info, budget_ms=limit)
-        if cost > limit:
-            message = (
-                f"The structured output grammar is too costly to enforce: one token mask took {cost:.1f} ms"
-                f" of CPU time, above this engine's limit of {limit:g} ms (max_mask_ms). Bounded"
-                " repetitions of wide character classes (such as .{0,4000}) cost the most."
-            )
-            conn.send_bytes(
-                json.dumps({"ok": False, "code": ErrorCode.GRAMMAR_TOO_COSTLY, "message": message}).encode()
-            )
-            continue
-        conn.send_bytes(json.dumps({"ok": True, "mask_ms": cost}).encode())
-        conn.send_bytes(compiled.serialize_json().encode())
+        header, text = _run_in_thread(compiler, info, job)
+        conn.send_bytes(json.dumps(header).encode())
+        if text is not None:
+            conn.send_bytes(text.encode())

@@ -5,6 +5,12 @@ wait in their tenant's queue; a free slot takes the next job round robin over th
 fewer than max_compiles_per_tenant slots, so one tenant's slow grammars never hold every slot. A job
 past compile_timeout_s, or cancelled while it runs (every request waiting for it went away), has its
 process killed; the slot starts a fresh one (a fork of the fork server: tens of milliseconds).
+
+A compile still running after BACKGROUND_AFTER_S goes on at the nice value compile_nice (the compile
+process runs each compile in a thread of its own, and lowers that thread's priority): when the
+cores are busy, the engine's steps, which every tenant's tokens wait on, come before one request's
+slow grammar, and a tenant who sends grammars that take seconds to compile slows its own requests
+rather than everyone's. Ordinary grammars compile well within BACKGROUND_AFTER_S.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import multiprocessing
 import threading
 import time
@@ -29,6 +36,8 @@ _POLL_S = 0.01
 # A compile process that does not start within this long is a broken engine, not a slow grammar.
 _START_TIMEOUT_S = 120.0
 _WORKER_MODULE = "engine.structured_output.compile_worker"
+# Seconds a compile runs at the engine's priority before it goes on at compile_nice.
+BACKGROUND_AFTER_S = 0.2
 
 
 class GrammarCompileError(InvalidRequestError):
@@ -43,12 +52,28 @@ class GrammarCompileError(InvalidRequestError):
 class CompileJob:
     """One grammar compile; `future` holds the CompiledGrammar or a GrammarCompileError."""
 
-    __slots__ = ("key", "spec", "tenant", "future", "started", "cancelled", "waiters", "nbytes", "mask_ms")
+    __slots__ = (
+        "key",
+        "spec",
+        "tenant",
+        "deadline",
+        "dropped",
+        "future",
+        "started",
+        "cancelled",
+        "waiters",
+        "nbytes",
+        "mask_ms",
+    )
 
-    def __init__(self, key: Any, spec: dict[str, Any], tenant: str) -> None:
+    def __init__(self, key: Any, spec: dict[str, Any], tenant: str, deadline: float | None = None) -> None:
         self.key = key
         self.spec = spec
         self.tenant = tenant
+        # Unix time after which no request waits for it (the latest of its requests' queue
+        # deadlines; inf when one has none): a job still queued then is never started.
+        self.deadline = math.inf if deadline is None else deadline
+        self.dropped = False  # past its deadline when a slot came to it: it will never run
         self.future: Future = Future()
         self.started = False  # a slot took it: its compile is billed to the requests waiting
         self.cancelled = threading.Event()
@@ -80,18 +105,31 @@ class CompilePool:
         self._closed = False
         self.num_timeouts = 0
         self.num_cancelled = 0
+        self.num_background = 0  # compiles that went on at compile_nice (BACKGROUND_AFTER_S)
+        self.num_expired = 0  # jobs past their deadline when a slot came to them: never started
         # Seconds per finished compile, newest last (the benchmark reads them).
         self.compile_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         self._slots = [_Slot(self, i) for i in range(config.max_compiles)]
         for slot in self._slots:
             slot.start()
 
-    def submit(self, key: Any, spec: dict[str, Any], tenant: str) -> CompileJob:
-        job = CompileJob(key, spec, tenant)
+    def submit(
+        self, key: Any, spec: dict[str, Any], tenant: str, deadline: float | None = None
+    ) -> CompileJob:
+        job = CompileJob(key, spec, tenant, deadline)
         with self._cond:
             self._queues.setdefault(tenant, collections.deque()).append(job)
             self._cond.notify()
         return job
+
+    def extend_deadline(self, job: CompileJob, deadline: float | None) -> bool:
+        """Another request waits for a job, until `deadline` (None: for as long as it takes). False
+        when the job was dropped past its deadline: the request needs a new one."""
+        with self._cond:
+            if job.dropped:
+                return False
+            job.deadline = max(job.deadline, math.inf if deadline is None else deadline)
+            return True
 
     def cancel(self, job: CompileJob) -> None:
         """Drop a queued job, or kill the process of a running one: its slot is free within _POLL_S."""
@@ -116,7 +154,16 @@ class CompilePool:
             while True:
                 if self._closed:
                     return None
-                for tenant, queue in self._queues.items():
+                now = time.time()
+                for tenant, queue in list(self._queues.items()):
+                    # Past its deadline nobody waits for it: the engine ends its requests unbilled
+                    # (queue_timeout), and its compile is never started.
+                    while queue and queue[0].deadline <= now:
+                        queue.popleft().dropped = True
+                        self.num_expired += 1
+                    if not queue:
+                        del self._queues[tenant]
+                        continue
                     if self._running[tenant] < limit:
                         job = queue.popleft()
                         if queue:
@@ -153,6 +200,10 @@ class _Slot(threading.Thread):
         self.pool = pool
         self._process: Any = None
         self._conn: Any = None
+        # stop() comes from another thread (the pool's shutdown) while this one may be killing or
+        # starting its process: one of them at a time, and none started after stop().
+        self._process_lock = threading.RLock()
+        self._stopped = False
 
     def run(self) -> None:
         while (job := self.pool._take()) is not None:
@@ -174,7 +225,13 @@ class _Slot(threading.Thread):
         conn = self._ensure_process()
         config = self.pool.config
         started = time.perf_counter()
-        conn.send_bytes(json.dumps({"spec": job.spec, "max_mask_ms": config.max_mask_ms}).encode())
+        request = {
+            "spec": job.spec,
+            "max_mask_ms": config.max_mask_ms,
+            "background_after_s": BACKGROUND_AFTER_S,
+            "nice": config.compile_nice,
+        }
+        conn.send_bytes(json.dumps(request).encode())
         deadline = time.monotonic() + config.compile_timeout_s
         while not conn.poll(_POLL_S):
             if job.cancelled.is_set():
@@ -190,6 +247,8 @@ class _Slot(threading.Thread):
                 _settle(job, exc=GrammarCompileError(message, ErrorCode.GRAMMAR_COMPILE_TIMEOUT))
                 return
         header = json.loads(conn.recv_bytes())
+        if header.get("background"):
+            self.pool.num_background += 1
         if not header["ok"]:
             _settle(job, exc=GrammarCompileError(header["message"], ErrorCode(header["code"])))
             return
@@ -200,6 +259,12 @@ class _Slot(threading.Thread):
         _settle(job, result=compiled)
 
     def _ensure_process(self) -> Any:
+        with self._process_lock:
+            return self._start_process()
+
+    def _start_process(self) -> Any:
+        if self._stopped:
+            raise RuntimeError("the grammar compile pool is shut down")
         if self._process is not None and self._process.is_alive():
             return self._conn
         self._kill()
@@ -217,14 +282,17 @@ class _Slot(threading.Thread):
         return ours
 
     def _kill(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.join()
-            self._conn.close()
-        self._process = self._conn = None
+        with self._process_lock:
+            if self._process is not None:
+                self._process.kill()
+                self._process.join()
+                self._conn.close()
+            self._process = self._conn = None
 
     def stop(self) -> None:
-        self._kill()
+        with self._process_lock:
+            self._stopped = True
+            self._kill()
 
 
 def _settle(job: CompileJob, *, result: Any = None, exc: BaseException | None = None) -> None:

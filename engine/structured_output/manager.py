@@ -68,17 +68,29 @@ class StructuredOutputManager:
     def compile_seconds(self) -> collections.deque[float]:
         return self.pool.compile_seconds
 
-    def grammar(self, spec: dict[str, Any], *, tenant: str = "", cache_salt: str | None = None) -> CompileJob:
+    def grammar(
+        self,
+        spec: dict[str, Any],
+        *,
+        tenant: str = "",
+        cache_salt: str | None = None,
+        deadline: float | None = None,
+    ) -> CompileJob:
         """The compile job of a canonical spec for this tenant (its future done at once on a cache
-        hit; its exception a GrammarCompileError). The caller holds it until `release`."""
+        hit; its exception a GrammarCompileError). The caller holds it until `release`, and waits
+        for it until `deadline` (unix time; None: as long as it takes): a compile that no request
+        still waits for when a slot comes to it is never started."""
         key = (f"{tenant}\x00{cache_salt or ''}", spec_key(spec))
         with self._lock:
             job = self._cache.get(key)
+            if job is not None and not job.future.done() and not self.pool.extend_deadline(job, deadline):
+                del self._cache[key]  # dropped unstarted: its requests expire; this one compiles anew
+                job = None
             if job is not None:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
             else:
-                job = self.pool.submit(key, spec, tenant)
+                job = self.pool.submit(key, spec, tenant, deadline)
                 self._cache[key] = job
                 job.future.add_done_callback(functools.partial(self._on_done, job))
             job.waiters += 1
@@ -211,12 +223,20 @@ class GrammarRequests:
                 ErrorCode.GRAMMAR_TOO_COSTLY,
             )
 
-    def acquire(self, spec: dict[str, Any], *, tenant: str, cache_salt: str | None, n: int) -> CompileJob:
+    def acquire(
+        self,
+        spec: dict[str, Any],
+        *,
+        tenant: str,
+        cache_salt: str | None,
+        n: int,
+        deadline: float | None = None,
+    ) -> CompileJob:
         """The compile job of a request's grammar (cached per tenant and salt: one tenant never
         learns by timing what another compiled), held for the request until released. A grammar
         already known to fail, or to cost more than the replica allows for n sequences, is
         refused (InvalidRequestError) and not held."""
-        job = self.manager.grammar(spec, tenant=tenant, cache_salt=cache_salt)
+        job = self.manager.grammar(spec, tenant=tenant, cache_salt=cache_salt, deadline=deadline)
         if not job.future.done():
             return job
         try:

@@ -9,6 +9,7 @@ per mask)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import statistics
@@ -309,3 +310,80 @@ def test_the_mask_cost_probe_is_not_fooled_by_a_loaded_machine(smollm2_dir: Path
     assert compile_worker.mask_cost_ms(cheap, info, budget_ms=2.0) <= 2.0
     monkeypatch.setattr(compile_worker.time, "thread_time", real)
     assert compile_worker.mask_cost_ms(costly, info, budget_ms=2.0) > 2.0
+
+
+def _thread_nices(pid: int) -> dict[int, int]:
+    import os
+
+    nices = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            nices[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+    return nices
+
+
+def test_a_slow_compile_goes_on_in_the_background(big_vocab_dir: Path) -> None:
+    """A compile still running after BACKGROUND_AFTER_S goes on at compile_nice, so that on busy
+    cores the engine's steps come first; the compile process keeps its own priority, so its next
+    compile starts at the engine's again. A quick grammar never leaves the foreground."""
+    import os
+
+    engine = _engine(big_vocab_dir, max_compiles=1, max_mask_ms=10_000, compile_nice=7)
+    pool = engine.grammars.manager.pool
+    [slot] = pool._slots
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(19, ours + 7)
+
+    _compile_seconds(engine, "quick", {"regex": "[ab]{3}"}, "a")
+    pid = slot._process.pid
+    assert pool.num_background == 0
+    assert set(_thread_nices(pid).values()) == {ours}
+
+    engine.add_request("slow", [5, 6], SamplingParams(structured_outputs={"regex": SLOW % 3950}), tenant="b")
+    _until(lambda: lowered in _thread_nices(pid).values())
+    assert _thread_nices(pid)[pid] == ours  # the process's main thread keeps its priority
+    _run(engine, lambda f: "slow" in f)
+    assert pool.num_background == 1
+
+    _compile_seconds(engine, "after", {"regex": "[cd]{4}"}, "a")
+    assert slot._process.pid == pid  # the same process: nothing to replace
+    assert set(_thread_nices(pid).values()) == {ours}
+    assert pool.num_background == 1
+
+
+def test_compile_nice_is_checked() -> None:
+    with pytest.raises(Exception, match="compile_nice"):
+        StructuredOutputConfig(compile_nice=20)
+    with pytest.raises(Exception, match="compile_nice"):
+        StructuredOutputConfig(compile_nice=-1)
+
+
+def _until(condition, *, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(0.005)
+
+
+def test_a_compile_no_request_waits_for_any_more_is_never_started(big_vocab_dir: Path) -> None:
+    """A queued job whose requests' deadlines have all passed is dropped when a slot comes to it,
+    never started (a started compile is billed, and costs a process when killed); a request that
+    asks for the same grammar afterwards gets a compile of its own."""
+    engine = _engine(big_vocab_dir, max_compiles=1, max_mask_ms=10_000)
+    manager = engine.grammars.manager
+    pool = manager.pool
+    busy = manager.grammar({"regex": SLOW % 3940}, tenant="t")
+    _until(lambda: busy.started)
+    late = manager.grammar({"regex": "[ab]{3}"}, tenant="t", deadline=time.time() + 0.2)
+    # A later request for the same grammar, until a later deadline: the job waits for it too.
+    assert manager.grammar({"regex": "[ab]{3}"}, tenant="t", deadline=time.time() + 0.4) is late
+    _until(lambda: time.time() > late.deadline)
+    manager.release(busy)  # the slot is free: it comes to the late job
+    _until(lambda: late.dropped)
+    assert not late.started and not late.future.done()
+    assert pool.num_expired == 1
+    again = manager.grammar({"regex": "[ab]{3}"}, tenant="t")
+    assert again is not late
+    assert again.future.result(timeout=60) is not None
+    for job in (late, late, again):
+        manager.release(job)
