@@ -131,15 +131,19 @@ def engine_unavailable(model: str) -> ServiceUnavailableError:
     )
 
 
+def dropped_unstarted() -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        "The request waited to start longer than its timeout allowed and was dropped; nothing "
+        "was billed. Retry later, or with a longer timeout.",
+        code=ErrorCode.QUEUE_TIMEOUT,
+    )
+
+
 def _engine_error(event: Event) -> PlatformError:
     message = event.message or "The engine failed while generating."
     kind = ENGINE_ERROR_KINDS.get(event.code)  # type: ignore[call-overload]  # str keys: StrEnum
     if kind == _DROPPED:
-        return ServiceUnavailableError(
-            "The request waited to start longer than its timeout allowed and was dropped; nothing "
-            "was billed. Retry later, or with a longer timeout.",
-            code=ErrorCode.QUEUE_TIMEOUT,
-        )
+        return dropped_unstarted()
     if kind == _CLIENT:
         return InvalidRequestError(message, code=event.code)
     return PlatformError(message, code=event.code or ErrorCode.ENGINE_ERROR)
@@ -150,6 +154,7 @@ class Generation:
     auth: AuthContext
     plan: GenerationPlan
     started_at: float = field(default_factory=time.perf_counter)
+    arrived_at: float = field(default_factory=time.time)  # unix time: a timeout counts from it
     gateway: EngineGateway = field(default_factory=get_gateway)
     reservation: Reservation | None = None
     request_counted: bool = False  # by request_admit, before planning: admission counts tokens only
@@ -317,9 +322,10 @@ class Generation:
 
     @property
     def deadline(self) -> float | None:
-        """Unix time by which the request must have started: the shortest of its timeouts."""
+        """Unix time by which the request must have started: the shortest of its timeouts, from
+        its arrival."""
         timeouts = [t for t in (self.client_timeout_s, self.auth.tenant_limits.queue_timeout_seconds) if t]
-        return time.time() + min(timeouts) if timeouts else None
+        return self.arrived_at + min(timeouts) if timeouts else None
 
     async def _release_unqueued(self, reserving: asyncio.Future) -> None:
         """A reservation made for a request cancelled before it was queued: settled to nothing,
@@ -339,6 +345,10 @@ class Generation:
         deadline = self.deadline
         if self._replica_wait_until is not None:
             deadline = min(deadline or self._replica_wait_until, self._replica_wait_until)
+        if deadline is not None and deadline <= now:
+            # Past its timeout before it was queued: no replica could start it, so none is asked to.
+            self._never_started = True
+            raise dropped_unstarted()
         for rid, prompt in zip(plan.engine_request_ids, plan.prompts, strict=True):
             self._pending.add(rid)
             await self.gateway.submit(
@@ -608,10 +618,12 @@ async def generation_start(
         plan = await blocking(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
         prompt_logprob_volume_check(plan)
         timeouts = [t for t in (client_timeout_s, data.get("timeout")) if t]
+        started_at = started_at or time.perf_counter()
         generation = Generation(
             auth=auth,
             plan=plan,
-            started_at=started_at or time.perf_counter(),
+            started_at=started_at,
+            arrived_at=time.time() - (time.perf_counter() - started_at),
             request_counted=True,
             client_timeout_s=min(timeouts) if timeouts else None,
             batch_id=batch_id,

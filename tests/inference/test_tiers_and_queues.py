@@ -158,6 +158,35 @@ async def test_places_bounds_and_retry_after_in_redis(world):
     assert retry_after(starts_in_window=DRAIN_WINDOW_S * 100, ahead=1) == 1
 
 
+async def test_a_request_past_its_timeout_before_it_is_queued_never_reaches_an_engine(world):
+    """A timeout counts from the request's arrival: one that has passed before the request is queued
+    (here a microsecond, gone while the body is planned) is answered 503 `queue_timeout` by the web
+    process, billed nothing, and no replica is asked to start it."""
+    with running_engine_worker(world) as worker:
+        engine = worker.engine
+        seen = engine.num_prompt_tokens
+        response = await AsyncClient().post(
+            URL,
+            json.dumps(body(world)),
+            content_type="application/json",
+            headers={**world.headers(), "x-stainless-read-timeout": "0.000001"},
+        )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "queue_timeout"
+        assert engine.num_prompt_tokens == seen
+        assert await queued_requests(world.model) == []
+        # The next request with room in its timeout is served as ever.
+        served = await api_post(world, URL, body(world))
+        assert served.status_code == 200
+        assert engine.num_prompt_tokens > seen
+        assert len(await queued_requests(world.model)) == 1
+
+    rows = await ledger()
+    [dropped] = [r for r in rows if r.status == "error"]
+    assert (dropped.prompt_tokens, dropped.completion_tokens) == (0, 0)
+    assert await sync_to_async(in_flight_count)(tenant_id=world.tenant_a.pk) == 0
+
+
 async def test_a_request_past_its_timeout_in_the_queue_is_dropped_and_billed_nothing(world):
     with running_engine_worker(world, max_num_seqs=1):
         # A long stream takes the replica's only sequence slot ...
