@@ -185,32 +185,45 @@ static inline __attribute__((always_inline)) void softmax_block(float *st, int l
 
 #else /* the same arithmetic, one row at a time, for CPUs without AVX-512 */
 
+/* Here the tile is row-major (qt and ot: a row's head_dim floats together), and the last argument
+ * is its rows, padding left out (its results are never read back): dot products and row updates
+ * along head_dim, which the compiler vectorizes (AVX2), with no reduction carried through memory. */
 static inline void scores_block(const float *qt, int ldr, const float *const *keys, int n, int head_dim, float *st,
-                                const int RV) {
-    for (int j = 0; j < n; j++)
-        for (int r = 0; r < RV * VL; r++) {
-            float s = 0.0f;
-            for (int d = 0; d < head_dim; d++) s += keys[j][d] * qt[(int64_t)d * ldr + r];
-            st[(int64_t)j * ldr + r] = s;
+                                const int rows) {
+    for (int j = 0; j < n; j++) {
+        const float *kj = keys[j];
+        for (int r = 0; r < rows; r++) {
+            const float *q = qt + (int64_t)r * head_dim;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int d = 0; d < head_dim; d++) acc += kj[d] * q[d];
+            st[(int64_t)j * ldr + r] = acc;
         }
+    }
 }
 
 static inline void accumulate_block(float *ot, int ldr, const float *const *values, int n, int head_dim,
-                                    const float *pt, const int RV) {
-    for (int d = 0; d < head_dim; d++)
-        for (int j = 0; j < n; j++)
-            for (int r = 0; r < RV * VL; r++) ot[(int64_t)d * ldr + r] += values[j][d] * pt[(int64_t)j * ldr + r];
+                                    const float *pt, const int rows) {
+    for (int r = 0; r < rows; r++) {
+        float *o = ot + (int64_t)r * head_dim;
+        for (int j = 0; j < n; j++) {
+            const float p = pt[(int64_t)j * ldr + r];
+            const float *vj = values[j];
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) o[d] += p * vj[d];
+        }
+    }
 }
 
 static inline void softmax_block(float *st, int ldr, int n, int k0, int masked, const int32_t *pos, float *m,
-                                 float *l, float *ot, int head_dim, const int RV) {
-    for (int r = 0; r < RV * VL; r++) {
+                                 float *l, float *ot, int head_dim, const int rows) {
+    for (int r = 0; r < rows; r++) {
         if (masked)
             for (int j = 0; j < n; j++)
                 if (pos[r] < k0 + j) st[(int64_t)j * ldr + r] = -INFINITY;
         const float alpha = online_softmax_step(st + r, ldr, n, &m[r], &l[r]);
         if (alpha != 1.0f)
-            for (int d = 0; d < head_dim; d++) ot[(int64_t)d * ldr + r] *= alpha;
+            for (int d = 0; d < head_dim; d++) ot[(int64_t)r * head_dim + d] *= alpha;
     }
 }
 
@@ -235,6 +248,11 @@ static inline __attribute__((always_inline)) void attend_tile(
     int32_t *pos = (int32_t *)(l + ldr); /* each row's own position: its last key */
     float *kbuf = l + 2 * ldr, *vbuf = kbuf + (size_t)KB * head_dim;
     const int offset = seq_len - q_len; /* context tokens before the chunk */
+#ifdef __AVX512F__
+#define TILE_AT(d, r) ((int64_t)(d) * ldr + (r)) /* head_dim x rows: a vector of rows per element */
+#else
+#define TILE_AT(d, r) ((int64_t)(r) * head_dim + (d)) /* rows x head_dim */
+#endif
     const int block_shift = __builtin_ctz((unsigned)block_size);
     float qrow[MAX_HEAD_DIM];
     for (int r = 0; r < RV * VL; r++) {
@@ -245,30 +263,39 @@ static inline __attribute__((always_inline)) void attend_tile(
                 bf16_row_to_float((const uint16_t *)q + in, qrow, head_dim);
             else
                 memcpy(qrow, (const float *)q + in, (size_t)head_dim * sizeof(float));
-            for (int d = 0; d < head_dim; d++) qt[(int64_t)d * ldr + r] = qrow[d] * scale;
+            for (int d = 0; d < head_dim; d++) qt[TILE_AT(d, r)] = qrow[d] * scale;
             pos[r] = offset + t;
         } else { /* padding rows: zero queries that see every key, never read back */
-            for (int d = 0; d < head_dim; d++) qt[(int64_t)d * ldr + r] = 0.0f;
+            for (int d = 0; d < head_dim; d++) qt[TILE_AT(d, r)] = 0.0f;
             pos[r] = INT32_MAX;
         }
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
+#ifdef __AVX512F__
     for (int d = 0; d < head_dim; d++) memset(ot + (int64_t)d * ldr, 0, (size_t)RV * VL * sizeof(float));
+#else
+    memset(ot, 0, (size_t)rows * head_dim * sizeof(float));
+#endif
     /* Keys 0 .. offset + t1 - 1 are seen by some row; those up to offset + t0 by every row. */
     const int end = offset + t1, unmasked = offset + t0 + 1;
     const float *keys[KB], *values[KB];
+#ifdef __AVX512F__
+    const int width = RV; /* whole vectors of rows */
+#else
+    const int width = rows;
+#endif
     for (int k0 = 0; k0 < end; k0 += KB) {
         int n = end - k0 < KB ? end - k0 : KB;
         key_rows(k_cache, is_bf16, table, k0, n, block_shift, token_stride, head_off, head_dim, keys, kbuf);
-        scores_block(qt, ldr, keys, n, head_dim, st, RV);
-        softmax_block(st, ldr, n, k0, k0 + n > unmasked, pos, m, l, ot, head_dim, RV);
+        scores_block(qt, ldr, keys, n, head_dim, st, width);
+        softmax_block(st, ldr, n, k0, k0 + n > unmasked, pos, m, l, ot, head_dim, width);
         key_rows(v_cache, is_bf16, table, k0, n, block_shift, token_stride, head_off, head_dim, values, vbuf);
-        accumulate_block(ot, ldr, values, n, head_dim, st, RV);
+        accumulate_block(ot, ldr, values, n, head_dim, st, width);
     }
     for (int r = 0; r < rows; r++) {
         float inv = 1.0f / l[r];
-        for (int d = 0; d < head_dim; d++) qrow[d] = ot[(int64_t)d * ldr + r] * inv;
+        for (int d = 0; d < head_dim; d++) qrow[d] = ot[TILE_AT(d, r)] * inv;
         int64_t dst = ((q_start + t0 + r / group) * num_heads + (int64_t)(kv_head * group + r % group)) * head_dim;
         if (is_bf16)
             float_row_to_bf16(qrow, (uint16_t *)out + dst, head_dim);
@@ -276,6 +303,8 @@ static inline __attribute__((always_inline)) void attend_tile(
             memcpy((float *)out + dst, qrow, (size_t)head_dim * sizeof(float));
     }
 }
+
+#undef TILE_AT
 
 static void attend_tile_rv(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, int is_bf16,
                            const int32_t *table, int64_t q_start, int q_len, int seq_len, int t0, int t1, int kv_head,
