@@ -23,6 +23,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import StructuredOutputManager
+from tests.helpers import wait_until
 
 SLOW = ".{0,%d}"  # distinct widths: distinct grammars, each about as slow to compile and to enforce
 
@@ -340,7 +341,7 @@ def test_a_slow_compile_goes_on_in_the_background(big_vocab_dir: Path) -> None:
     assert set(_thread_nices(pid).values()) == {ours}
 
     engine.add_request("slow", [5, 6], SamplingParams(structured_outputs={"regex": SLOW % 3950}), tenant="b")
-    _until(lambda: lowered in _thread_nices(pid).values())
+    wait_until(lambda: lowered in _thread_nices(pid).values(), timeout=60, what="the compile thread niced")
     assert _thread_nices(pid)[pid] == ours  # the process's main thread keeps its priority
     _run(engine, lambda f: "slow" in f)
     assert pool.num_background == 1
@@ -358,13 +359,6 @@ def test_compile_nice_is_checked() -> None:
         StructuredOutputConfig(compile_nice=-1)
 
 
-def _until(condition, *, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s"
-        time.sleep(0.005)
-
-
 def test_a_compile_no_request_waits_for_any_more_is_never_started(big_vocab_dir: Path) -> None:
     """A queued job whose requests' deadlines have all passed is dropped when a slot comes to it,
     never started (a started compile is billed, and costs a process when killed); a request that
@@ -373,13 +367,13 @@ def test_a_compile_no_request_waits_for_any_more_is_never_started(big_vocab_dir:
     manager = engine.grammars.manager
     pool = manager.pool
     busy = manager.grammar({"regex": SLOW % 3940}, tenant="t")
-    _until(lambda: busy.started)
+    wait_until(lambda: busy.started, timeout=60, what="the busy compile to start")
     late = manager.grammar({"regex": "[ab]{3}"}, tenant="t", deadline=time.time() + 0.2)
     # A later request for the same grammar, until a later deadline: the job waits for it too.
     assert manager.grammar({"regex": "[ab]{3}"}, tenant="t", deadline=time.time() + 0.4) is late
-    _until(lambda: time.time() > late.deadline)
+    wait_until(lambda: time.time() > late.deadline, timeout=60, what="the late job's deadline")
     manager.release(busy)  # the slot is free: it comes to the late job
-    _until(lambda: late.dropped)
+    wait_until(lambda: late.dropped, timeout=60, what="the late job dropped")
     assert not late.started and not late.future.done()
     assert pool.num_expired == 1
     again = manager.grammar({"regex": "[ab]{3}"}, tenant="t")

@@ -158,6 +158,16 @@ async def test_places_bounds_and_retry_after_in_redis(world):
     assert retry_after(starts_in_window=DRAIN_WINDOW_S * 100, ahead=1) == 1
 
 
+async def post_with_read_timeout(world, seconds: str):
+    """A request whose SDK says it waits `seconds` (x-stainless-read-timeout)."""
+    return await AsyncClient().post(
+        URL,
+        json.dumps(body(world)),
+        content_type="application/json",
+        headers={**world.headers(), "x-stainless-read-timeout": seconds},
+    )
+
+
 async def test_a_request_past_its_timeout_before_it_is_queued_never_reaches_an_engine(world):
     """A timeout counts from the request's arrival: one that has passed before the request is queued
     (here a microsecond, gone while the body is planned) is answered 503 `queue_timeout` by the web
@@ -165,12 +175,7 @@ async def test_a_request_past_its_timeout_before_it_is_queued_never_reaches_an_e
     with running_engine_worker(world) as worker:
         engine = worker.engine
         seen = engine.num_prompt_tokens
-        response = await AsyncClient().post(
-            URL,
-            json.dumps(body(world)),
-            content_type="application/json",
-            headers={**world.headers(), "x-stainless-read-timeout": "0.000001"},
-        )
+        response = await post_with_read_timeout(world, "0.000001")
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "queue_timeout"
         assert engine.num_prompt_tokens == seen
@@ -195,12 +200,7 @@ async def test_a_request_past_its_timeout_in_the_queue_is_dropped_and_billed_not
         first = await anext(chunks)
         assert b"delta" in first
         # ... so a request that may wait 50 ms to start finds none free in time.
-        response = await AsyncClient().post(
-            URL,
-            json.dumps(body(world)),
-            content_type="application/json",
-            headers={**world.headers(), "x-stainless-read-timeout": "0.05"},
-        )
+        response = await post_with_read_timeout(world, "0.05")
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "queue_timeout"
         rest = b"".join([c async for c in chunks])
