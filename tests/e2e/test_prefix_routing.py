@@ -14,6 +14,7 @@ The tests share one stack and run in file order; the kill is last.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +116,25 @@ def full_blocks(num_tokens: int) -> int:
     return num_tokens // BLOCK * BLOCK
 
 
+def settled(stack, replicas: list[str] = REPLICAS) -> None:
+    """Wait until each replica's heartbeat, beaten from now on, says it runs and holds nothing: the
+    web tier places a first turn by the loads in the replicas' last heartbeats, and one beaten
+    while an earlier test's request still ran would send it to the other replica."""
+    since = time.time()
+
+    def idle() -> bool:
+        stats = stack.replica_stats()
+        return all(
+            r in stats
+            and stats[r].heartbeat_at > since
+            and stats[r].num_running == 0
+            and stats[r].num_waiting == 0
+            for r in replicas
+        )
+
+    stack.wait_until(idle, timeout=30, what=f"fresh heartbeats of {replicas} with nothing running")
+
+
 def test_each_conversation_stays_on_one_replica_and_finds_its_history_cached(world):
     client = world.stack.client(world.key_a)
     conversations = first_turns(world.tenant_a, per_replica=4, start=0)
@@ -149,8 +169,12 @@ def test_each_conversation_stays_on_one_replica_and_finds_its_history_cached(wor
 def test_a_frozen_replicas_requests_are_stolen_by_the_idle_one(world):
     stack = world.stack
     client = stack.client(world.key_a)
-    [for_left, _] = first_turns(world.tenant_a, per_replica=1, start=5000)
+    [for_left, for_right] = first_turns(world.tenant_a, per_replica=1, start=5000)
     assert first_choice(world.tenant_a, for_left) == "left"
+    # The web process's first request of a kind loads what it needs: done before the freeze, so
+    # that the frozen replica's heartbeat outlives the steal delay by far.
+    complete(client, for_right)
+    settled(stack)
     stolen_before = stack.replica_stats()["right"].num_stolen_requests
 
     with stack.paused("left"):
@@ -179,6 +203,7 @@ def test_a_killed_replicas_conversations_go_on_on_the_other(world):
     stack = world.stack
     client = stack.client(world.key_a)
     [for_left, _] = first_turns(world.tenant_a, per_replica=1, start=12000)
+    settled(stack)
     assert complete(client, for_left).replica == "left"
     second = next_turn(for_left, 0)
 
