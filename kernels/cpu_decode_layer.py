@@ -1,7 +1,7 @@
 """A float32 decoder layer of a decode step in one C call (kernels/cpu/decode_layer.c): norms, the
 four products, the rotary embedding, the K/V store and paged attention, in one OpenMP parallel
 region per layer. A step may have up to `max_rows()` sequences: 256 where the library is built with
-AVX-512, 8 where it is not.
+AVX-512, 16 with AVX2 and FMA, 8 with neither.
 
 Layer by layer, a decode step pays dispatch beside its products: per layer four oneDNN calls, four
 fused kernels with their wrappers and a dozen module calls (about 3.5 ms of a 15 ms step at one
@@ -81,7 +81,7 @@ def available() -> bool:
 
 def max_rows() -> int:
     """The widest decode step the built kernel takes (DECODE_LAYER_MAX_ROWS; 0 where it cannot be
-    built): 256 with AVX-512, 8 without."""
+    built): 256 with AVX-512, 16 with AVX2 and FMA, 8 with neither."""
     lib = _load()
     return 0 if lib is None else int(lib.decode_layer_max_rows())
 

@@ -142,15 +142,19 @@ def _check_against_the_references(rows: int, bias: bool, shape: Shape) -> None:
         torch.testing.assert_close(v, rv, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+# Up to 8 rows each weight row streams once for every x row (with AVX2: blocks of 8 down to 1 weight
+# rows by the x rows; the odd shape's widths leave a vector's tail and weight rows past the blocks).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, rows, bias):
-    _check_against_the_references(rows, bias, SHAPE)
+@pytest.mark.parametrize("shape", [SHAPE, ODD], ids=["even", "odd"])
+def test_one_call_layers_compute_the_layer_of_the_references(cpu_kernel_build, rows, bias, shape):
+    _check_against_the_references(rows, bias, shape)
 
 
-# Past 8 rows the products are register tiles of 6 x rows by 4 weight rows: whole tiles, tiles with
-# 1 to 5 rows left over, and widths with a masked vector and weight rows past the last whole tile.
-@pytest.mark.parametrize("rows", [9, 12, 13, 17, 24, 40, 64])
+# Past 8 rows the products are register tiles of 6 x rows by 4 weight rows (AVX-512; with AVX2, up to
+# 16 rows, groups of 4 x rows by 2 weight rows): whole tiles, tiles with rows left over, and widths
+# with a vector's tail and weight rows past the last whole tile.
+@pytest.mark.parametrize("rows", [9, 12, 13, 15, 16, 17, 24, 40, 64])
 @pytest.mark.parametrize("shape", [SHAPE, ODD], ids=["even", "odd"])
 def test_wide_steps_compute_the_layer_of_the_references(cpu_kernel_build, rows, shape):
     if rows > cpu_decode_layer.max_rows():
@@ -160,9 +164,11 @@ def test_wide_steps_compute_the_layer_of_the_references(cpu_kernel_build, rows, 
     _check_against_the_references(rows, True, shape)
 
 
-def test_the_widest_step_is_256_rows_with_avx512_and_8_without(cpu_kernel_build):
-    avx512 = "avx512f" in Path("/proc/cpuinfo").read_text() and not _cpu_build.portable()
-    assert cpu_decode_layer.max_rows() == (256 if avx512 else 8)
+def test_the_widest_step_is_256_rows_with_avx512_16_with_avx2_and_8_without(cpu_kernel_build):
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    avx512 = "avx512f" in flags and not _cpu_build.portable()
+    avx2 = {"avx2", "fma"} <= flags
+    assert cpu_decode_layer.max_rows() == (256 if avx512 else 16 if avx2 else 8)
 
 
 def test_out_of_bounds_slots_and_tables_are_refused_before_anything_is_written(cpu_kernel_build):
