@@ -274,6 +274,23 @@ class LlamaDecoderLayer(nn.Module):
         return x_last, self.mlp(self.post_attention_layernorm(x_last, attn))
 
 
+def _rows_as_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row, its sequence's block table and the context it attends (its position + 1): a
+    prompt chunk's rows are decodes of their sequence, each over the keys up to its own, once the
+    step's K/V is stored (the one-call layers store every row's before any attends). So a narrow
+    step that computes a few prompt tokens beside decodes takes the one-call layers too."""
+    if metadata.max_query_len == 1:
+        return metadata.block_tables, metadata.seq_lens
+    index: list[int] = []
+    lens: list[int] = []
+    for i, (query, context) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
+        index.extend([i] * query)
+        lens.extend(range(context - query + 1, context + 1))
+    device = metadata.block_tables.device
+    rows = torch.tensor(index, dtype=torch.long, device=device)
+    return metadata.block_tables.index_select(0, rows), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -428,23 +445,15 @@ class LlamaForCausalLM(nn.Module):
         fast = self._decode_layers
         if (
             fast is not None
-            and metadata.max_query_len == 1
             and x.shape[0] <= fast.max_rows
             and metadata.windowed is None
             and cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj is self._decode_layers_linear
         ):  # (the last: no LoRA wrapper has replaced the linears the kernel reads since)
             cos, sin_signed = tables[0]
+            block_tables, seq_lens = _rows_as_decodes(metadata)
             return self.model.norm(
                 x,
-                fast.forward(
-                    x,
-                    cos,
-                    sin_signed,
-                    kv_caches,
-                    metadata.slot_mapping,
-                    metadata.block_tables,
-                    metadata.seq_lens,
-                ),
+                fast.forward(x, cos, sin_signed, kv_caches, metadata.slot_mapping, block_tables, seq_lens),
             )
         delta = None
         for layer, kv_cache, local in zip(self.model.layers, kv_caches, self._local_layers, strict=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.llm import LLM
+from engine.models import llama
 from engine.sampling_params import SamplingParams
 from kernels import cpu_decode_layer
 
@@ -69,3 +70,43 @@ def test_layers_the_kernel_does_not_compute_keep_the_layer_path(model, request, 
     assert llm_model._decode_layers is None
     assert calls == []
     assert len(outs) == 14 and all(len(o.outputs[0].token_ids) == 20 for o in outs)
+
+
+def test_prompt_chunks_beside_decodes_take_the_one_call_layers(tiny_llama_dir, monkeypatch):
+    """A step that computes a few prompt tokens beside decodes (chunked prefill, a narrow step
+    budget) runs as one C call a layer, each prompt row a decode over the keys up to its own:
+    tokens, logprobs and the prompt's logprobs are the layer path's."""
+    mixed: list[int] = []
+    real = llama._rows_as_decodes
+
+    def counted(metadata):
+        if metadata.max_query_len > 1:
+            mixed.append(sum(metadata.query_lens_cpu))
+        return real(metadata)
+
+    monkeypatch.setattr(llama, "_rows_as_decodes", counted)
+    prompts = [PROMPTS[0], [(7 * i + 3) % 900 for i in range(37)]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+    ]
+
+    def run(enabled: bool):
+        monkeypatch.setenv("PAGODA_CPU_DECODE_LAYER", "1" if enabled else "0")
+        llm = LLM(str(tiny_llama_dir), num_blocks=128, max_num_seqs=4, max_num_batched_tokens=8)
+        return llm.generate(prompts, params)
+
+    slow = run(enabled=False)
+    assert mixed == []
+    fast = run(enabled=True)
+    # The long prompt went 7 tokens a step beside the short one's decode: rows of both in one call.
+    assert 8 in mixed
+    for a, b in zip(slow, fast, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+            assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
+    assert slow[1].prompt_logprobs is not None and fast[1].prompt_logprobs is not None
+    for pa, pb in zip(slow[1].prompt_logprobs[1:], fast[1].prompt_logprobs[1:], strict=True):
+        assert pa is not None and pb is not None
+        assert pa.logprob == pytest.approx(pb.logprob, abs=1e-4)
+        assert [t for t, _ in pa.top_logprobs] == [t for t, _ in pb.top_logprobs]
