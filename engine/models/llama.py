@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.lora.layers import LoRAContext, LoRALinear
 from engine.models.config import ModelConfig
 from engine.models.moe import SparseMoeBlock
 from engine.models.rope import RotaryEmbedding, uses_long_factors
@@ -336,6 +337,9 @@ class LlamaForCausalLM(nn.Module):
         # one C call (set by _use_fused where the model's layers are the plain kind it computes).
         self._decode_layers: cpu_decode_layer.DecodeLayers | None = None
         self._decode_layers_linear: nn.Module | None = None  # the first layer's qkv_proj it read
+        # Where the linears are LoRA's wrappers: their step, None while no row uses an adapter (the
+        # one-call layers multiply by the base weights alone, so only such steps take them).
+        self._decode_layers_lora: LoRAContext | None = None
 
     def _use_fused(self, device: torch.device) -> None:
         """Norms, MLP activations and the rotary embedding with the K/V store take the fused
@@ -376,7 +380,8 @@ class LlamaForCausalLM(nn.Module):
         """The layers as one C call each for decode steps (kernels.cpu_decode_layer),
         where every layer is the plain kind that kernel computes: dense SwiGLU MLP, whole-head
         rotary embedding, no sliding window, soft cap, head norms or Gemma norms, plain linears
-        (LoRA's wrappers keep the layer-by-layer path), and the torch attention backend.
+        or LoRA's wrappers of them (a step with an adapter's rows keeps the layer-by-layer path),
+        and the torch attention backend.
         PAGODA_CPU_DECODE_LAYER=0 keeps the layer-by-layer path."""
         cfg = self.config
         if (
@@ -391,35 +396,48 @@ class LlamaForCausalLM(nn.Module):
             return None
         weights: list[cpu_decode_layer.LayerWeights] = []
         layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
+        contexts: set[int] = set()
+        lora: LoRAContext | None = None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(mlp, LlamaMLP):
                 return None
-            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            linears: list[nn.Module] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            for i, linear in enumerate(linears):
+                if isinstance(linear, LoRALinear):
+                    lora = linear.context
+                    contexts.add(id(lora))
+                    linears[i] = linear.base
+            if not all(isinstance(m, nn.Linear) for m in linears):
+                return None
+            plain = cast(list[nn.Linear], linears)
             if (
                 mlp.gelu
                 or attn.window is not None
                 or attn.rotary_dim != attn.head_dim
                 or layer.input_layernorm.unit_offset
                 or layer.pre_feedforward_layernorm is not None
-                or not all(isinstance(m, nn.Linear) for m in linears)
-                or any(m.bias is not None for m in linears[1:])
-                or not all(m.weight.is_contiguous() for m in linears)
+                or any(m.bias is not None for m in plain[1:])
+                or not all(m.weight.is_contiguous() for m in plain)
             ):
                 return None
+            qkv, o, gate_up, down = plain
             weights.append(
                 cpu_decode_layer.LayerWeights(
                     input_norm=layer.input_layernorm.weight,
                     post_attention_norm=layer.post_attention_layernorm.weight,
-                    qkv=attn.qkv_proj.weight,
-                    qkv_bias=attn.qkv_proj.bias,
-                    o=attn.o_proj.weight,
-                    gate_up=mlp.gate_up_proj.weight,
-                    down=mlp.down_proj.weight,
+                    qkv=qkv.weight,
+                    qkv_bias=qkv.bias,
+                    o=o.weight,
+                    gate_up=gate_up.weight,
+                    down=down.weight,
                 )
             )
+        if len(contexts) > 1:  # every wrapper reads one step's mapping
+            return None
         first = layers[0].self_attn
         self._decode_layers_linear = first.qkv_proj
+        self._decode_layers_lora = lora
         return cpu_decode_layer.DecodeLayers(
             weights,
             eps=cfg.rms_norm_eps,
@@ -443,10 +461,12 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary_local is not None:
             tables.append(self._cos_sin(positions, metadata.max_seq_len, x.dtype, local=True))
         fast = self._decode_layers
+        lora = self._decode_layers_lora
         if (
             fast is not None
             and x.shape[0] <= fast.max_rows
             and metadata.windowed is None
+            and (lora is None or lora.step is None)
             and cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj is self._decode_layers_linear
         ):  # (the last: no LoRA wrapper has replaced the linears the kernel reads since)
             cos, sin_signed = tables[0]

@@ -9,10 +9,14 @@ import pytest
 
 from engine.llm import LLM
 from engine.models import llama
+from engine.protocol import LoRARef
 from engine.sampling_params import SamplingParams
 from kernels import cpu_decode_layer
+from tests.engine import lora_helpers
+from tests.engine.lora_helpers import lora_engine, prompts, run_to_completion
 
 pytestmark = pytest.mark.skipif(not cpu_decode_layer.available(), reason="no C compiler for the CPU kernels")
+adapter_dirs = lora_helpers.adapter_dirs  # the session fixture the LoRA test modules share
 
 _FORWARD = cpu_decode_layer.DecodeLayers.forward
 PROMPTS = [[5, 9, 33, 70, 12, 8, 41], [100, 3, 7] * 9, [64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74]]
@@ -110,3 +114,37 @@ def test_prompt_chunks_beside_decodes_take_the_one_call_layers(tiny_llama_dir, m
         assert pa is not None and pb is not None
         assert pa.logprob == pytest.approx(pb.logprob, abs=1e-4)
         assert [t for t, _ in pa.top_logprobs] == [t for t, _ in pb.top_logprobs]
+
+
+def test_an_engine_that_serves_adapters_runs_steps_without_them_as_one_call(
+    tiny_llama_dir, adapter_dirs, monkeypatch
+):
+    """LoRA's wrappers around the linears: a step with no adapter's rows takes the one-call layers
+    (the base weights), a step with one keeps the layer path; tokens are the layer path's."""
+    rows: list[int] = []
+
+    def counted(self, x, *args):
+        rows.append(x.shape[0])
+        return _FORWARD(self, x, *args)
+
+    monkeypatch.setattr(cpu_decode_layer.DecodeLayers, "forward", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompt = prompts([20], seed=3)[0]
+    adapter = LoRARef("r8", str(adapter_dirs["r8"]), "1")
+
+    def run(enabled: bool, lora: LoRARef | None) -> tuple[list[int], list[int]]:
+        monkeypatch.setenv("PAGODA_CPU_DECODE_LAYER", "1" if enabled else "0")
+        engine = lora_engine(tiny_llama_dir)
+        rows.clear()  # the warm-up's steps
+        engine.add_request("r", prompt, params, tenant="acme", lora=lora)
+        return run_to_completion(engine)["r"].outputs[0].token_ids, list(rows)
+
+    base_slow, _ = run(False, None)
+    base_fast, base_calls = run(True, None)
+    assert base_fast == base_slow
+    # Every decode step, and the 20-token prompt where the kernel takes that many rows (AVX-512).
+    assert base_calls == [20] * (cpu_decode_layer.max_rows() >= 20) + [1] * 11
+    tuned_slow, _ = run(False, adapter)
+    tuned_fast, tuned_calls = run(True, adapter)
+    assert tuned_fast == tuned_slow != base_fast
+    assert tuned_calls == []
