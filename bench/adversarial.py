@@ -84,6 +84,8 @@ class Phase:
 
     name: str
     ttfts_s: list[float] = field(default_factory=list)
+    # (time to first token, whether the request had a JSON schema), for the slowest requests' figures
+    firsts: list[tuple[float, bool]] = field(default_factory=list)
     gaps_s: list[float] = field(default_factory=list)
     victim_errors: Counter = field(default_factory=Counter)
     attacker: Counter = field(default_factory=Counter)
@@ -100,6 +102,11 @@ class Phase:
             "victim_errors": dict(self.victim_errors),
             "ttft_p90_ms": round(1000 * percentile(self.ttfts_s, 90), 1) if self.ttfts_s else None,
             "itl_p50_ms": round(1000 * percentile(self.gaps_s, 50), 1) if self.gaps_s else None,
+            # The three slowest first tokens, each marked s (a JSON schema) or p (plain text).
+            "slowest_ttft_ms": [
+                f"{1000 * t:.0f}{'s' if schema else 'p'}"
+                for t, schema in sorted(self.firsts, reverse=True)[:3]
+            ],
             "attacker": dict(self.attacker),
         }
 
@@ -148,6 +155,7 @@ def victim_loop(client, model: str, phase_of, stop: threading.Event, counter: li
                 now = time.perf_counter()
                 if last is None:
                     started_in.ttfts_s.append(now - started)
+                    started_in.firsts.append((now - started, "response_format" in kwargs))
                 else:
                     phase_of().gaps_s.append(now - last)
                 last = now
