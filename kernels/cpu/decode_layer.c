@@ -1,6 +1,8 @@
 /*
  * One decoder layer of a decode step in one call, on CPU (float32): up to 256 sequences with
- * AVX-512, up to 16 with AVX2 and FMA, up to 8 with neither (decode_layer_max_rows).
+ * AVX-512, up to 16 with AVX2 and FMA, up to 8 with neither (decode_layer_max_rows). A narrow
+ * step's prompt rows come as decodes too, each over its sequence's keys up to its own: every row's
+ * K/V is stored before any row attends.
  *
  * At a few sequences a decode step is the weights streamed from memory once; what else it
  * costs is dispatch: per layer four oneDNN calls, four fused C kernels, their Python wrappers and
