@@ -275,6 +275,12 @@ class LlamaDecoderLayer(nn.Module):
         return x_last, self.mlp(self.post_attention_layernorm(x_last, attn))
 
 
+# The widest step with prompt tokens that the one-call layers take: each prompt row attends as a
+# decode (reading its keys on its own), which a narrow step pays for in saved dispatch; wider chunks
+# keep the prefill attention kernel, whose tiles read each key once for many rows.
+MIXED_MAX_ROWS = 16
+
+
 def _rows_as_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row, its sequence's block table and the context it attends (its position + 1): a
     prompt chunk's rows are decodes of their sequence, each over the keys up to its own, once the
@@ -464,7 +470,8 @@ class LlamaForCausalLM(nn.Module):
         lora = self._decode_layers_lora
         if (
             fast is not None
-            and x.shape[0] <= fast.max_rows
+            and x.shape[0]
+            <= (fast.max_rows if metadata.max_query_len == 1 else min(fast.max_rows, MIXED_MAX_ROWS))
             and metadata.windowed is None
             and (lora is None or lora.step is None)
             and cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj is self._decode_layers_linear

@@ -214,7 +214,7 @@ static void gemm_share_wide(const float *x, int rows, const float *w, const floa
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /* This thread's share of a product of more than 8 x rows with AVX2: blocks of GROUP_BLOCK weight rows
- * spread over the team, each multiplied by the x rows 8 at a time (then the rest) while it sits in
+ * spread over the team, each multiplied by the x rows 4 at a time (then the rest) while it sits in
  * L1, so that the weights stream from memory once. */
 #define GROUP_BLOCK 2
 static void gemv_share_groups(const float *x, int rows, const float *w, const float *b, float *y, int64_t out,
@@ -224,8 +224,10 @@ static void gemv_share_groups(const float *x, int rows, const float *w, const fl
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t o0 = blk * GROUP_BLOCK, o1 = o0 + GROUP_BLOCK < out ? o0 + GROUP_BLOCK : out;
         int m = 0;
-        for (; m + 8 <= rows; m += 8) gemv_rows(x + m * in, 4, GROUP_BLOCK, w, b, y + m * out, out, in, o0, o1),
-                                      gemv_rows(x + (m + 4) * in, 4, GROUP_BLOCK, w, b, y + (m + 4) * out, out, in, o0, o1);
+        for (; m + 8 <= rows; m += 8) {
+            gemv_rows(x + m * in, 4, GROUP_BLOCK, w, b, y + m * out, out, in, o0, o1);
+            gemv_rows(x + (m + 4) * in, 4, GROUP_BLOCK, w, b, y + (m + 4) * out, out, in, o0, o1);
+        }
         const float *xm = x + m * in;
         float *ym = y + m * out;
         switch (rows - m) {
