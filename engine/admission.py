@@ -74,7 +74,7 @@ class Admission:
             # Prompt logprobs come out of the prompt's own forward passes: nothing is reused.
             computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             num_hit = len(computed) * sched.block_size
-            allowed = sched.allow_prompt(seq, min(budget, prefill_budget))
+            allowed = sched.allow_prompt(seq, min(budget, prefill_budget), num_hit)
             num_new = sched.num_new_tokens(seq.num_tokens - num_hit, allowed)
             if num_new == 0 or not bm.can_allocate(seq, num_new, computed):
                 break

@@ -74,6 +74,12 @@ class SchedulerConfig:
     # A prompt token's cost in rows of a decoded sequence's (for the same bound). None: measured at
     # warm-up on CPU with decode_fixed_rows; unknown, prompt tokens are not held back.
     prompt_token_rows: float | None = None
+    # What a long context and prompt logprobs add (for the same bound), in rows: a decoded
+    # sequence's key past the first 100, a key a prompt token attends, a prompt token scored for
+    # prompt logprobs. None: measured at warm-up on CPU; unknown, 0.
+    decode_key_rows: float | None = None
+    prompt_key_rows: float | None = None
+    prompt_logprob_rows: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens_with_decodes < 0:
@@ -108,6 +114,10 @@ class SchedulerConfig:
             raise ConfigError(f"decode_fixed_rows must be >= 0, got {self.decode_fixed_rows}")
         if self.prompt_token_rows is not None and self.prompt_token_rows <= 0:
             raise ConfigError(f"prompt_token_rows must be > 0, got {self.prompt_token_rows}")
+        for name in ("decode_key_rows", "prompt_key_rows", "prompt_logprob_rows"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
         if self.fair_preempt_tokens_per_step is None:
             self.fair_preempt_tokens_per_step = self.max_num_batched_tokens // 4
         elif self.fair_preempt_tokens_per_step < 0:

@@ -30,6 +30,9 @@ _SCHEDULER_FIELDS = {
     "shared_step_slowdown",
     "decode_fixed_rows",
     "prompt_token_rows",
+    "decode_key_rows",
+    "prompt_key_rows",
+    "prompt_logprob_rows",
 }
 
 

@@ -31,6 +31,10 @@ from engine.step_profile import StepProfile
 from engine.structured_output.manager import GrammarRequests
 from engine.warm_up import shared_step_costs, warm_up
 
+# The step costs past the fixed and prompt-token rows, named alike in the scheduler config, the
+# measured costs (engine.warm_up) and the step width.
+EXTRA_STEP_COSTS = ("decode_key_rows", "prompt_key_rows", "prompt_logprob_rows")
+
 logger = logging.getLogger(__name__)
 
 
@@ -98,10 +102,11 @@ class LLMEngine:
             else 0.0
         )
         sched_config = setup.scheduler_config
+        cost_names = ("decode_fixed_rows", "prompt_token_rows", *EXTRA_STEP_COSTS)
         if (
             config.warm_up
             and sched_config.shared_step_slowdown > 0
-            and None in (sched_config.decode_fixed_rows, sched_config.prompt_token_rows)
+            and any(getattr(sched_config, name) is None for name in cost_names)
         ):
             costs = shared_step_costs(self.runner, sched_config.max_num_seqs, self.max_model_len)
             width = self.scheduler.step_width
@@ -110,6 +115,9 @@ class LLMEngine:
                     width.fixed_rows = costs.fixed_rows
                 if sched_config.prompt_token_rows is None:
                     width.prompt_token_rows = costs.prompt_token_rows
+                for name in EXTRA_STEP_COSTS:
+                    if getattr(sched_config, name) is None:
+                        setattr(width, name, getattr(costs, name))
         self._requests: dict[str, EngineRequest] = {}
         self._completions: dict[int, Completion] = {}  # seq_id -> completion
         self.grammar_waits = GrammarWaits(self)

@@ -144,6 +144,9 @@ class Scheduler:
             scheduler_config.shared_step_slowdown,
             scheduler_config.decode_fixed_rows,
             scheduler_config.prompt_token_rows,
+            decode_key_rows=scheduler_config.decode_key_rows,
+            prompt_key_rows=scheduler_config.prompt_key_rows,
+            prompt_logprob_rows=scheduler_config.prompt_logprob_rows,
         )
         self.share = StepShare()  # this step's (schedule() sets it)
         self.num_steps = 0
@@ -241,12 +244,20 @@ class Scheduler:
             self.service.charge(seq.tenant, prompt_tokens=prompt)
             seq.num_prompt_tokens_charged = end
 
-    def allow_prompt(self, seq: Sequence, tokens: int) -> int:
-        """The prompt tokens of `tokens` that `seq` may compute this step: what the tier gate and
-        the shared step width leave it."""
-        return self.share.allow(seq, self.tiers.allow(seq, tokens))
+    def prompt_start(self, seq: Sequence) -> int:
+        """Where a waiting sequence's start would begin computing: past the prefix-cache hits it
+        would claim (none where it wants prompt logprobs, as admission)."""
+        if seq.block_table or seq.num_computed_tokens or seq.wants_prompt_logprobs:
+            return seq.num_computed_tokens
+        return len(self.block_manager.get_computed_blocks(seq)) * self.block_size
+
+    def allow_prompt(self, seq: Sequence, tokens: int, start: int | None = None) -> int:
+        """The prompt tokens of `tokens` that `seq` may compute this step, from `start` (by default
+        its computed tokens): what the tier gate and the shared step width leave it."""
+        return self.share.allow(seq, self.tiers.allow(seq, tokens), start)
 
     def charge_prompt(self, seq: Sequence, tokens: int) -> None:
+        """`seq` computes `tokens` prompt tokens this step, from its computed tokens."""
         self.tiers.charge(seq, tokens)
         self.share.charge(seq, tokens)
 
@@ -279,6 +290,7 @@ class Scheduler:
             self.waiting.heads() if len(self.running) < self.config.max_num_seqs else (),
             self.service.active(),
             min(self.config.max_num_batched_tokens, prefill_budget),
+            self.prompt_start,
         )
         sit_out = self.share.sit_out
         self.num_sat_out += len(sit_out)

@@ -106,6 +106,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="a prompt token's cost in rows of per-sequence cost (for --shared-step-slowdown);"
         " default: measured at warm-up on CPU, none on a GPU",
     )
+    for flag, what in (
+        ("--decode-key-rows", "a decoded sequence's key past the first 100"),
+        ("--prompt-key-rows", "a key a prompt token attends"),
+        ("--prompt-logprob-rows", "a prompt token scored for prompt logprobs"),
+    ):
+        cache.add_argument(
+            flag,
+            type=float,
+            default=None,
+            help=f"the cost of {what}, in rows of per-sequence cost (for --shared-step-slowdown);"
+            " default: measured at warm-up on CPU, none on a GPU",
+        )
     cache.add_argument(
         "--max-prefill-tokens-with-decodes",
         type=int,
@@ -261,6 +273,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             shared_step_slowdown=args.shared_step_slowdown,
             decode_fixed_rows=args.decode_fixed_rows,
             prompt_token_rows=args.prompt_token_rows,
+            decode_key_rows=args.decode_key_rows,
+            prompt_key_rows=args.prompt_key_rows,
+            prompt_logprob_rows=args.prompt_logprob_rows,
         ),
         lora=lora_config_from_args(args),
         structured_output=StructuredOutputConfig(

@@ -7,12 +7,16 @@ would otherwise make every step, and so every other tenant's time between tokens
 longer: a step that computes a 2,048-token prompt chunk takes over a hundred times a one-sequence
 decode step there.
 
-A tenant's demand on a step is its rows: one per sequence it decodes, and `prompt_token_rows` (a
-prompt token's cost over a decoded sequence's) per prompt token it could compute, for its prompts
-being computed and the first it has waiting while a slot is free. A tenant present without
-demand (its sequences wait for a slot, or all finished less than LINGER_S ago: its client's next
-request is on its way) counts one row. While two or more tenants are present, a step carries at
-most
+A tenant's demand on a step is its rows. A row is one sequence decoded at ROW_CONTEXT tokens of
+context; a decoded sequence costs one row plus `decode_key_rows` per key it attends past
+ROW_CONTEXT (a long context's keys are read for it alone). A prompt token costs
+`prompt_token_rows`, plus `prompt_key_rows` per key it attends (its position), plus
+`prompt_logprob_rows` where its request asked for prompt logprobs (the token is scored over the
+vocabulary). A tenant's demand counts its decodes, and the prompt tokens it could compute: for its
+prompts being computed and the first it has waiting while a slot is free (the tokens its start
+would compute: those the prefix cache does not already hold). A tenant present without demand (its
+sequences wait for a slot, or all finished less than LINGER_S ago: its client's next request is on
+its way) counts one row. While two or more tenants are present, a step carries at most
 
     width = (slowdown - 1) * fixed_rows + slowdown * least
 
@@ -20,18 +24,24 @@ rows, where `least` is the smallest demand and `fixed_rows` is the step's fixed 
 per-sequence cost (with a step of b decodes taking a + c * b seconds, fixed_rows = a / c). A step
 of that width takes at most `slowdown` times the step the least demanding tenant would run alone.
 
-The rows are shared by one cap per tenant, the largest that keeps the step within the width, and
-never below `least` (water-filling: tenants demanding no more than the least one are never held
-back, and tenants of equal demand run together as before). A tenant spends its cap on its decodes
+The rows are shared by one cap per tenant, the largest that keeps the step within the width
+(water-filling: tenants demanding less than the cap are never held back, and tenants of equal demand
+run together as before). Where even the least demanding tenants do not fit at an equal cap, they
+keep their whole demand, and the others share what the width leaves beside them (at least a row
+each): the least demanding tenant's prompt then takes one step, as it would alone, rather than
+several, and no other tenant matches it row for row. A tenant spends its cap on its decodes
 first: above the cap, its sequences take turns, each step decoding those that decoded least
 recently, while the others keep their KV blocks and sit the step out. What the decodes leave is its
 prompt tokens, computed a chunk a step.
 
-`fixed_rows` and `prompt_token_rows` are measured on CPU at warm-up (engine.warm_up.shared_step_costs)
-unless the deployment sets them; on a GPU, where a step's time barely grows with its batch, they are
-not measured and nothing is held back. Without `prompt_token_rows`, a sequence computing or waiting
-to start its prompt counts as one row and prompt tokens are not held back. A slowdown of 0 turns
-the bound off.
+While everything the plan sees fits the width, the spare rows are shared alike, so that what it
+does not see (a tenant's waiting sequences after its first: the siblings of an `n` request, which
+start together) cannot widen the step past it.
+
+The costs are measured on CPU at warm-up (engine.warm_up.shared_step_costs) unless the deployment
+sets them; on a GPU, where a step's time barely grows with its batch, they are not measured and
+nothing is held back. Without `prompt_token_rows`, a sequence computing or waiting to start its
+prompt counts as one row and prompt tokens are not held back. A slowdown of 0 turns the bound off.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from engine.sequence import Sequence
 
@@ -62,35 +73,98 @@ def tenant_cap(demands: Iterable[float], limit: float) -> float:
     return taken
 
 
+def tenant_caps(demand: dict[str, float], limit: float) -> dict[str, float]:
+    """Each tenant's rows for a step of at most `limit` (assumed short of the total demand): one
+    water-filled cap for all; or, where that cap falls short of the least demand, the least
+    demanding tenants' whole demand, and for the others an equal share of what is left (each
+    demands more than the least, so no less than that share), at least one row each."""
+    cap = tenant_cap(demand.values(), limit)
+    least = min(demand.values())
+    if cap >= least - 1e-9:
+        return dict.fromkeys(demand, cap)
+    lightest = [t for t, d in demand.items() if d <= least + 1e-9]
+    others = {t: d for t, d in demand.items() if d > least + 1e-9}
+    caps = dict.fromkeys(lightest, least)
+    if others:
+        left = limit - least * len(lightest)
+        caps.update(dict.fromkeys(others, max(1.0, left / len(others))))
+    return caps
+
+
+# A row is one sequence decoded at this many tokens of context (the warm-up probe's).
+ROW_CONTEXT = 100
+
+
+@dataclass(frozen=True, slots=True)
+class RowCosts:
+    """What a step's parts cost, in rows (see the module's docstring)."""
+
+    token: float = 1.0  # a prompt token
+    key: float = 0.0  # a decoded sequence's key past ROW_CONTEXT
+    prompt_key: float = 0.0  # a key a prompt token attends
+    logprob: float = 0.0  # a prompt token scored for prompt logprobs
+
+    def decode(self, seq: Sequence) -> float:
+        return 1.0 + self.key * max(0, seq.num_computed_tokens + 1 - ROW_CONTEXT)
+
+    def _terms(self, seq: Sequence, start: int) -> tuple[float, float]:
+        """(b, a) with the cost of t prompt tokens from `start` = b t + a t^2."""
+        per_token = self.token + (self.logprob if seq.wants_prompt_logprobs else 0.0)
+        # The token at position p attends p + 1 keys: t tokens from start attend
+        # t (start + 1) + t (t - 1) / 2 keys.
+        half = self.prompt_key / 2
+        return per_token + self.prompt_key * (start + 1) - half, half
+
+    def prompt(self, seq: Sequence, start: int, tokens: int) -> float:
+        b, a = self._terms(seq, start)
+        return b * tokens + a * tokens * tokens
+
+    def prompt_tokens(self, seq: Sequence, start: int, rows: float, tokens: int) -> int:
+        """The most prompt tokens, up to `tokens`, that `rows` pay for from `start`."""
+        if rows <= 0:
+            return 0
+        b, a = self._terms(seq, start)
+        t = rows / b if a == 0 else (math.sqrt(b * b + 4 * a * rows) - b) / (2 * a)
+        fit = min(tokens, math.floor(t + 1e-9))
+        while fit > 0 and self.prompt(seq, start, fit) > rows + 1e-9:  # rounding
+            fit -= 1
+        return max(0, fit)
+
+
 class StepShare:
     """One step's share: the decodes that sit it out, and each tenant's rows left for prompt
     tokens (None: not bounded)."""
 
-    __slots__ = ("_cap", "_rows", "sit_out", "token_rows")
+    __slots__ = ("_cap", "_rows", "costs", "sit_out")
 
     def __init__(
         self,
         sit_out: set[int] | None = None,
         rows: dict[str, float] | None = None,
         cap: float = 0.0,
-        token_rows: float = 1.0,
+        costs: RowCosts | None = None,
     ) -> None:
         self.sit_out = sit_out or set()
         self._rows = rows
-        self._cap = cap  # a tenant the plan did not see (it had no demand) has the whole cap
-        self.token_rows = token_rows
+        self._cap = cap  # a tenant the plan did not see (it had no demand)
+        self.costs = costs or RowCosts()
 
-    def allow(self, seq: Sequence, tokens: int) -> int:
-        """The prompt tokens of `tokens` that `seq` may compute this step."""
+    def allow(self, seq: Sequence, tokens: int, start: int | None = None) -> int:
+        """The prompt tokens of `tokens` that `seq` may compute this step, from `start` (by default
+        its computed tokens)."""
         if self._rows is None:
             return tokens
         left = self._rows.get(seq.tenant, self._cap)
-        return max(0, min(tokens, math.floor(left / self.token_rows + 1e-9)))
+        at = seq.num_computed_tokens if start is None else start
+        return self.costs.prompt_tokens(seq, at, left, tokens)
 
-    def charge(self, seq: Sequence, tokens: int) -> None:
-        """`seq` computes `tokens` prompt tokens this step."""
+    def charge(self, seq: Sequence, tokens: int, start: int | None = None) -> None:
+        """`seq` computes `tokens` prompt tokens this step, from `start` (by default its computed
+        tokens)."""
         if self._rows is not None:
-            self._rows[seq.tenant] = self._rows.get(seq.tenant, self._cap) - tokens * self.token_rows
+            at = seq.num_computed_tokens if start is None else start
+            cost = self.costs.prompt(seq, at, tokens)
+            self._rows[seq.tenant] = self._rows.get(seq.tenant, self._cap) - cost
 
 
 # A tenant whose sequences all finished less than this long ago is still present (its client's next
@@ -99,7 +173,16 @@ LINGER_S = 0.25
 
 
 class SharedStepWidth:
-    __slots__ = ("_clock", "_seen", "fixed_rows", "prompt_token_rows", "slowdown")
+    __slots__ = (
+        "_clock",
+        "_seen",
+        "fixed_rows",
+        "decode_key_rows",
+        "prompt_key_rows",
+        "prompt_logprob_rows",
+        "prompt_token_rows",
+        "slowdown",
+    )
 
     def __init__(
         self,
@@ -107,16 +190,31 @@ class SharedStepWidth:
         fixed_rows: float | None,
         prompt_token_rows: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        decode_key_rows: float | None = None,
+        prompt_key_rows: float | None = None,
+        prompt_logprob_rows: float | None = None,
     ) -> None:
         self.slowdown = slowdown
         self.fixed_rows = fixed_rows  # None: not known (not measured yet, or a GPU): no bound
         self.prompt_token_rows = prompt_token_rows  # None: a prompt counts one row, not held back
+        self.decode_key_rows = decode_key_rows  # None: not known, a decode is one row at any context
+        self.prompt_key_rows = prompt_key_rows  # None: not known, 0
+        self.prompt_logprob_rows = prompt_logprob_rows  # None: not known, 0
         self._clock = clock
         self._seen: dict[str, float] = {}  # when each tenant last had unfinished sequences
 
     @property
     def enabled(self) -> bool:
         return self.slowdown > 0 and self.fixed_rows is not None
+
+    def costs(self) -> RowCosts:
+        return RowCosts(
+            self.prompt_token_rows or 1.0,
+            self.decode_key_rows or 0.0,
+            self.prompt_key_rows or 0.0,
+            self.prompt_logprob_rows or 0.0,
+        )
 
     def _present(self, active: Iterable[str]) -> set[str]:
         """The tenants with unfinished sequences, and those that had some within LINGER_S."""
@@ -133,49 +231,68 @@ class SharedStepWidth:
         startable: Iterable[Sequence],
         active: Iterable[str],
         max_prompt_tokens: int,
+        prompt_start: Callable[[Sequence], int] | None = None,
     ) -> StepShare:
         """This step's share. `startable`: waiting sequences that may start this step (a slot is
         free); `active`: the tenants with unfinished sequences; `max_prompt_tokens`: the most
-        prompt tokens one step computes."""
+        prompt tokens one step computes; `prompt_start`: where a waiting sequence's start would
+        begin computing (after the prefix-cache hits it would claim; None: at its computed tokens)."""
         if not self.enabled:
             return StepShare()
         assert self.fixed_rows is not None
         present = self._present(active)
         if len(present) < 2:
             return StepShare()
-        token_rows = self.prompt_token_rows
+        costs = self.costs()
+        priced = self.prompt_token_rows is not None
         decoding: dict[str, list[Sequence]] = {}
-        prompt_tokens: dict[str, int] = {}
+        prompts: dict[str, list[tuple[Sequence, int]]] = {}  # (sequence, where its next chunk starts)
         for seq in running:
             if seq.num_uncomputed_tokens == 1:
                 decoding.setdefault(seq.tenant, []).append(seq)
             else:
-                prompt_tokens[seq.tenant] = prompt_tokens.get(seq.tenant, 0) + seq.num_uncomputed_tokens
+                prompts.setdefault(seq.tenant, []).append((seq, seq.num_computed_tokens))
         starting: set[str] = set()
         for seq in startable:
             if seq.tenant not in starting:  # a tenant's first: the others start after it
                 starting.add(seq.tenant)
-                prompt_tokens[seq.tenant] = prompt_tokens.get(seq.tenant, 0) + seq.num_uncomputed_tokens
-        demand: dict[str, float] = {t: float(len(seqs)) for t, seqs in decoding.items()}
-        for tenant, tokens in prompt_tokens.items():
-            cost = 1.0 if token_rows is None else token_rows * min(tokens, max_prompt_tokens)
-            demand[tenant] = demand.get(tenant, 0.0) + cost
+                start = seq.num_computed_tokens if prompt_start is None else prompt_start(seq)
+                prompts.setdefault(seq.tenant, []).append((seq, start))
+        demand: dict[str, float] = {t: sum(costs.decode(s) for s in seqs) for t, seqs in decoding.items()}
+        for tenant, chunks in prompts.items():
+            cost, budget = 0.0, max_prompt_tokens
+            for seq, start in chunks if priced else ():
+                tokens = min(seq.num_tokens - start, budget)
+                if tokens <= 0:
+                    break
+                budget -= tokens
+                cost += costs.prompt(seq, start, tokens)
+            demand[tenant] = demand.get(tenant, 0.0) + (cost if priced else 1.0)
         for tenant in present - demand.keys():  # waiting for a slot or a grammar, or lingering
             demand[tenant] = 1.0
         least = min(demand.values())
         limit = width(self.slowdown, self.fixed_rows, least)
-        if sum(demand.values()) <= limit:
-            return StepShare()
-        cap = max(least, tenant_cap(demand.values(), limit))
+        total = sum(demand.values())
+        if total <= limit:
+            # Everything seen fits; the step's spare rows are shared alike, so that what the plan
+            # does not see (a tenant's waiting sequences after its first) cannot widen the step.
+            caps = {t: d + (limit - total) / len(demand) for t, d in demand.items()}
+        else:
+            caps = tenant_caps(demand, limit)
         sit_out: set[int] = set()
         rows: dict[str, float] = {}
-        for tenant in demand:
+        for tenant, cap in caps.items():
             seqs = decoding.get(tenant, [])
-            turns = min(len(seqs), math.floor(cap + 1e-9))
-            if len(seqs) > turns:
-                seqs.sort(key=lambda s: (s.last_decode_step, s.seq_id))  # least recently decoded first
-                sit_out.update(s.seq_id for s in seqs[turns:])
-            rows[tenant] = cap - turns
-        if token_rows is None:
+            seqs.sort(key=lambda s: (s.last_decode_step, s.seq_id))  # least recently decoded first
+            spent, turns = 0.0, 0
+            for seq in seqs:  # each tenant decodes at least one sequence a step
+                cost = costs.decode(seq)
+                if turns and spent + cost > cap + 1e-9:
+                    break
+                spent += cost
+                turns += 1
+            sit_out.update(s.seq_id for s in seqs[turns:])
+            rows[tenant] = max(0.0, cap - spent)
+        if not priced:
             return StepShare(sit_out)
-        return StepShare(sit_out, rows, cap, token_rows)
+        return StepShare(sit_out, rows, least, costs)

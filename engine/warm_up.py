@@ -32,6 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledSequence
 from engine.sequence import Sequence
+from engine.step_width import ROW_CONTEXT
 
 logger = logging.getLogger(__name__)
 
@@ -92,65 +93,110 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_model_len: int
     return seconds
 
 
-# The decode steps timed for a step's fixed cost: one sequence and this many (or max_num_seqs);
-# and one sequence beside a prompt chunk of this many tokens, for a prompt token's cost.
+# The steps timed for a step's costs (engine.step_width): one decode and this many (or
+# max_num_seqs), at ROW_CONTEXT; one decode beside a prompt chunk of PROMPT_PROBE_TOKENS, and of
+# NARROW_PROBE_TOKENS (a narrow step, whose prompt rows take the one-call decode layers), the narrow
+# one also after LONG_PROBE_CONTEXT cached tokens and the wide one scoring prompt logprobs;
+# LONG_PROBE_SEQS decodes at ROW_CONTEXT and at LONG_PROBE_CONTEXT more.
 FIXED_ROWS_PROBE_WIDTH = 32
-FIXED_ROWS_PROBE_CONTEXT = 100
 PROMPT_PROBE_TOKENS = 32
+NARROW_PROBE_TOKENS = 8
+LONG_PROBE_CONTEXT = 1000
+LONG_PROBE_SEQS = 8
+PROMPT_LOGPROBS_PROBE = 20
 # Interleaved timings of each; the least of each is kept, since other processes on the machine
 # (the web tier starting beside the replica) only ever add time.
 FIXED_ROWS_REPEATS = 7
+# The most any cost may be, in rows (a step that does not grow measurably gives huge ones).
+MAX_TOKEN_ROWS = 64.0
 
 
 @dataclass(frozen=True, slots=True)
 class SharedStepCosts:
-    """A step's costs in rows of a decoded sequence's cost (engine.step_width)."""
+    """A step's costs in rows of a decoded sequence's cost (engine.step_width); the key and
+    logprob costs are None where the pool is too small to measure them."""
 
     fixed_rows: float  # the step's fixed cost (reading the weights)
     prompt_token_rows: float  # one prompt token's
+    decode_key_rows: float | None = None  # a decoded sequence's key past ROW_CONTEXT
+    prompt_key_rows: float | None = None  # a key a prompt token attends
+    prompt_logprob_rows: float | None = None  # a prompt token scored for prompt logprobs
+
+
+def _blocks(runner: ModelRunner, lengths: list[int]) -> int:
+    return sum(-(-n // runner.block_size) for n in lengths)
 
 
 def shared_step_costs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> SharedStepCosts | None:
-    """A step's fixed cost and a prompt token's, in rows of per-sequence decode cost, from the least
-    times of steps of 1 and of FIXED_ROWS_PROBE_WIDTH decodes and of one decode beside a
-    PROMPT_PROBE_TOKENS-token prompt chunk: with a step of b decodes and p prompt tokens taking
-    a + c * b + d * p, returns a / c and d / c. None where it cannot be measured (too few sequences
-    or blocks, or on a GPU, where a step's time barely grows with its batch); a step that does not
-    grow measurably gives a large fixed cost, and so no bound in practice."""
+    """A step's costs in rows of per-sequence decode cost, from the least times of the probe steps:
+    with a step of b decodes and p prompt tokens taking a + c * b + d * p, the fixed rows a / c and
+    a prompt token's d / c (the larger of a wide chunk's and a narrow one's); and what a long
+    context's keys and prompt logprobs add, over c. None where it cannot be measured (too few
+    sequences or blocks, or on a GPU, where a step's time barely grows with its batch); a step that
+    does not grow measurably gives a large fixed cost, and so no bound in practice."""
     if runner.device.type != "cpu":
         return None
     wide = min(FIXED_ROWS_PROBE_WIDTH, max_num_seqs)
-    context = min(FIXED_ROWS_PROBE_CONTEXT, max_model_len)
+    context = min(ROW_CONTEXT, max_model_len)
     prompt = min(PROMPT_PROBE_TOKENS, max_model_len)
-    blocks = -(-context // runner.block_size)
-    if wide < 2 or max(wide * blocks, blocks + -(-prompt // runner.block_size)) > runner.num_blocks:
+    narrow = min(NARROW_PROBE_TOKENS, prompt)
+    if (
+        wide < 2
+        or max(_blocks(runner, [context] * wide), _blocks(runner, [context, prompt])) > runner.num_blocks
+    ):
         return None
-    shapes = {
-        "one": ([context], [1]),
-        "wide": ([context] * wide, [1] * wide),
-        "prompt": ([context, prompt], [1, prompt]),
+    shapes: dict[str, tuple[list[int], list[int], int | None]] = {
+        "one": ([context], [1], None),
+        "wide": ([context] * wide, [1] * wide, None),
+        "prompt": ([context, prompt], [1, prompt], None),
+        "narrow": ([context, narrow], [1, narrow], None),
+        "logprobs": ([context, prompt], [1, prompt], PROMPT_LOGPROBS_PROBE),
     }
+    long = context + LONG_PROBE_CONTEXT
+    seqs = min(LONG_PROBE_SEQS, max_num_seqs)
+    measure_keys = long <= max_model_len and _blocks(runner, [long] * seqs) <= runner.num_blocks
+    if measure_keys:
+        shapes["short"] = ([context] * seqs, [1] * seqs, None)
+        shapes["long"] = ([long] * seqs, [1] * seqs, None)
+        shapes["late"] = ([context, long + narrow], [1, narrow], None)
     times: dict[str, list[float]] = {name: [] for name in shapes}
     for _ in range(FIXED_ROWS_REPEATS):
-        for name, (lengths, new) in shapes.items():
-            inputs = runner.prepare(synthetic_step(runner, lengths, new))
+        for name, (lengths, new, logprobs) in shapes.items():
+            step = synthetic_step(runner, lengths, new)
+            if logprobs is not None:
+                step[-1].seq.sampling_params = SamplingParams(max_tokens=1, prompt_logprobs=logprobs)
+            inputs = runner.prepare(step)
             started = time.perf_counter()
             runner.execute(inputs)
             times[name].append(time.perf_counter() - started)
-    one, many, chunk = (min(times[name]) for name in shapes)
-    per_row = (many - one) / (wide - 1)
+    least = {name: min(t) for name, t in times.items()}
+    one = least["one"]
+    per_row = (least["wide"] - one) / (wide - 1)
     if per_row <= 0:
         return SharedStepCosts(64.0 * max_num_seqs, 1.0)
+
+    def rows(seconds: float, count: int) -> float:
+        return min(max(seconds / count / per_row, 0.0), MAX_TOKEN_ROWS)
+
     fixed = one - per_row
-    rows = min(max(fixed / per_row, 0.0), 64.0 * max_num_seqs)
-    per_token = max((chunk - one) / prompt, 0.0)
-    token_rows = min(max(per_token / per_row, 0.01), 64.0)
+    fixed_rows = min(max(fixed / per_row, 0.0), 64.0 * max_num_seqs)
+    token_rows = max(rows(least["prompt"] - one, prompt), rows(least["narrow"] - one, narrow), 0.01)
+    # The probe's prompt is scored at every position but its last.
+    logprob_rows = rows(least["logprobs"] - least["prompt"], max(prompt - 1, 1))
+    key_rows = prompt_key_rows = None
+    if measure_keys:
+        key_rows = rows(least["long"] - least["short"], seqs * LONG_PROBE_CONTEXT)
+        # Each narrow prompt token attends `long` more keys in the late chunk.
+        prompt_key_rows = rows(least["late"] - least["narrow"], narrow * long)
     logger.info(
-        "decode step: %.1f ms fixed, %.2f ms a sequence (%.1f rows), %.2f ms a prompt token (%.2f rows)",
+        "step costs: %.1f ms fixed, %.2f ms a sequence (%.1f rows); in rows: %.2f a prompt token,"
+        " %.2f a scored prompt token, %s a decode's 1,000 keys, %s a prompt token's",
         1e3 * fixed,
         1e3 * per_row,
-        rows,
-        1e3 * per_token,
+        fixed_rows,
         token_rows,
+        logprob_rows,
+        "?" if key_rows is None else f"{1000 * key_rows:.2f}",
+        "?" if prompt_key_rows is None else f"{1000 * prompt_key_rows:.2f}",
     )
-    return SharedStepCosts(rows, token_rows)
+    return SharedStepCosts(fixed_rows, token_rows, key_rows, prompt_key_rows, logprob_rows)

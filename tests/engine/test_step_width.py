@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.step_width import LINGER_S, SharedStepWidth, tenant_cap, width
+from engine.step_width import LINGER_S, RowCosts, SharedStepWidth, tenant_cap, tenant_caps, width
 from engine.warm_up import shared_step_costs
 
 
@@ -33,6 +33,7 @@ def _scheduler(
     slowdown: float = 2.0,
     max_num_seqs: int = 64,
     prompt_token_rows: float | None = None,
+    **costs: float,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -42,17 +43,27 @@ def _scheduler(
             shared_step_slowdown=slowdown,
             decode_fixed_rows=fixed_rows,
             prompt_token_rows=prompt_token_rows,
+            **costs,
         ),
         CacheConfig(block_size=4),
         num_blocks=1024,
     )
 
 
-def _add(sched: Scheduler, tenant: str, count: int, *, out: int = 1000, prompt: int = 8) -> list[Sequence]:
+def _add(
+    sched: Scheduler,
+    tenant: str,
+    count: int,
+    *,
+    out: int = 1000,
+    prompt: int = 8,
+    prompt_logprobs: int | None = None,
+) -> list[Sequence]:
     seqs = []
     for i in range(count):
         tokens = [100 + sum(map(ord, tenant)) % 300, *([1 + i % 50] * (prompt - 1))]
-        seq = Sequence(f"{tenant}{i}-{time.monotonic_ns()}", tokens, Params(out), tenant=tenant)
+        params = Params(out, prompt_logprobs=prompt_logprobs)
+        seq = Sequence(f"{tenant}{i}-{time.monotonic_ns()}", tokens, params, tenant=tenant)
         sched.add(seq)
         seqs.append(seq)
     return seqs
@@ -89,6 +100,40 @@ def test_the_per_tenant_cap_fills_the_width_from_the_smallest_tenant_up():
     assert tenant_cap([2, 50, 50], 13) == 5.5
     assert tenant_cap([5, 5], 20) == 5  # everything fits
     assert tenant_cap([30], 13) == 13
+
+
+def test_where_the_least_demand_does_not_fit_an_equal_cap_it_keeps_its_demand_and_the_others_share_the_rest():
+    # An equal cap of 6 would hold the small tenant's prompt back; it keeps its 10 rows.
+    assert tenant_caps({"small": 10, "wide": 100}, 12) == {"small": 10, "wide": 2}
+    assert tenant_caps({"small": 10, "a": 100, "b": 50}, 14) == {"small": 10, "a": 2, "b": 2}
+    assert tenant_caps({"small": 10, "a": 11, "b": 50}, 28) == {"small": 10, "a": 9, "b": 9}
+    # Tenants of equal demand run together; every other tenant keeps at least a row.
+    assert tenant_caps({"a": 10, "b": 10, "wide": 100}, 12) == {"a": 10, "b": 10, "wide": 1.0}
+    # Where the equal cap covers the least demand, it is the cap for all, as before.
+    assert tenant_caps({"small": 2, "wide": 126}, 13) == {"small": 11, "wide": 11}
+
+
+def test_row_costs_price_context_and_prompt_logprobs():
+    costs = RowCosts(token=0.5, key=0.01, prompt_key=0.001, logprob=0.25)
+    (short,) = (Sequence("s", [1] * 50, Params(10)),)
+    long = Sequence("l", [1] * 600, Params(10))
+    short.num_computed_tokens, long.num_computed_tokens = 49, 599
+    assert costs.decode(short) == 1.0  # within ROW_CONTEXT keys
+    assert costs.decode(long) == pytest.approx(1.0 + 0.01 * 500)
+    # t tokens from `start` attend t (start + 1) + t (t - 1) / 2 keys.
+    plain = Sequence("p", [1] * 300, Params(10))
+    assert costs.prompt(plain, 0, 4) == pytest.approx(4 * 0.5 + 0.001 * (4 + 6))
+    assert costs.prompt(plain, 200, 4) == pytest.approx(4 * 0.5 + 0.001 * (4 * 201 + 6))
+    scored = Sequence("q", [1] * 300, Params(10, prompt_logprobs=5))
+    assert costs.prompt(scored, 0, 4) == pytest.approx(4 * 0.75 + 0.001 * (4 + 6))
+    # prompt_tokens is the inverse: the most tokens that the rows pay for.
+    for seq in (plain, scored):
+        for start in (0, 7, 150):
+            for rows in (0.0, 0.4, 1.0, 3.3, 10.0, 57.0):
+                fit = costs.prompt_tokens(seq, start, rows, 100)
+                assert costs.prompt(seq, start, fit) <= rows + 1e-9
+                assert fit == 100 or costs.prompt(seq, start, fit + 1) > rows
+    assert RowCosts(token=0.5).prompt_tokens(plain, 0, 3.0, 100) == 6
 
 
 def test_a_wide_tenants_decodes_take_turns_beside_a_small_one():
@@ -189,6 +234,67 @@ def test_the_least_demanding_tenants_prompt_is_not_held_back_beside_a_wide_tenan
     assert sum(1 for item in out.scheduled if item.seq in wide) == 22
 
 
+def test_the_least_demanding_tenants_prompt_goes_whole_and_the_other_prompt_takes_what_is_left():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, slowdown=1.5)
+    _add(sched, "long", 1, prompt=200)
+    _add(sched, "small", 1, prompt=36)
+    out = sched.schedule()
+    # The small tenant's prompt alone: 18 rows. width = 0.5 x 4 + 1.5 x 18 = 29 rows: all of its
+    # prompt, and the 11 rows left, 22 tokens, for the long one (not 18 rows to match it).
+    assert _prompt_tokens(out, "small") == 36
+    assert _prompt_tokens(out, "long") == 22
+
+
+def test_a_waiting_prompt_counts_only_the_tokens_the_prefix_cache_lacks():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5)
+    wide = _add(sched, "wide", 30)
+    _until_all_decode(sched)
+    (first,) = _add(sched, "small", 1, prompt=36)
+    _until_all_decode(sched)
+    sched.finish(first, SequenceStatus.FINISHED_LENGTH, "length")
+    _add(sched, "small", 1, prompt=36)  # the same prompt: 32 of its tokens are cached
+    out = sched.schedule()
+    # The small tenant's step alone computes 4 tokens, 2 rows: width = 4 + 2 x 2 = 8 rows, 6 of
+    # them the wide tenant's decodes (not 22, as for the whole prompt's 18 rows).
+    assert _prompt_tokens(out, "small") == 4
+    assert sum(1 for item in out.scheduled if item.seq in wide) == 6
+
+
+def test_the_siblings_a_plan_does_not_see_cannot_widen_a_step_that_fits():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5)
+    _add(sched, "small", 2)
+    _until_all_decode(sched)
+    _add(sched, "wide", 32, prompt=8)  # an n request: 32 waiting sequences
+    out = sched.schedule()
+    # The plan sees the wide tenant's first: 4 rows beside the small tenant's 2, within the width of
+    # 4 + 2 x 2 = 8. The spare 2 rows are shared: 5 rows, 10 prompt tokens, not all 256.
+    assert sum(i.num_new_tokens for i in out.scheduled if i.seq.tenant == "wide") == 10  # all prompt
+    assert Counter(i.seq.tenant for i in out.scheduled if i.num_new_tokens == 1)["small"] == 2
+
+
+def test_a_long_context_decode_costs_more_rows():
+    sched = _scheduler(fixed_rows=5.0, prompt_token_rows=0.5, decode_key_rows=0.02)
+    wide = _add(sched, "wide", 12, prompt=200)
+    _until_all_decode(sched)
+    _add(sched, "small", 2)
+    _until_all_decode(sched)
+    # width = 5 + 2 x 2 = 9 rows: 7 for the wide tenant, whose decodes cost 1 + 0.02 x 100+ keys,
+    # over 3 rows each: two a step (seven at one row each).
+    for _ in range(3):
+        assert _step(sched) == {"small": 2, "wide": 2}
+    assert all(s.status is SequenceStatus.RUNNING for s in wide)
+
+
+def test_a_prompt_that_wants_prompt_logprobs_costs_more_rows():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, prompt_logprob_rows=0.5)
+    _add(sched, "small", 2)
+    _until_all_decode(sched)
+    (scored,) = _add(sched, "scored", 1, prompt=200, prompt_logprobs=5)
+    out = sched.schedule()
+    # width = 4 + 2 x 2 = 8: 6 rows for the scored prompt, at a row a token (12 tokens unscored).
+    assert _prompt_tokens(out, "scored") == 6 and scored.wants_prompt_logprobs
+
+
 def test_a_tenant_whose_sequences_just_finished_still_narrows_the_step():
     sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5)
     now = [100.0]
@@ -280,6 +386,10 @@ def test_warm_up_measures_the_decode_steps_fixed_cost_on_cpu(tiny_llama_dir: Pat
     assert fixed is not None and 0.0 <= fixed <= 64 * 32
     token_rows = engine.scheduler.step_width.prompt_token_rows
     assert token_rows is not None and 0.0 < token_rows <= 64
+    # The pool is too small for eight decodes of 1,100 tokens: the key costs are not measured.
+    assert engine.scheduler.step_width.decode_key_rows is None
+    logprob_rows = engine.scheduler.step_width.prompt_logprob_rows
+    assert logprob_rows is not None and 0.0 <= logprob_rows <= 64
     # One sequence a step, or too few blocks for the probe's wide step: not measured.
     assert shared_step_costs(engine.runner, max_num_seqs=1, max_model_len=128) is None
     small = LLMEngine(
@@ -290,3 +400,17 @@ def test_warm_up_measures_the_decode_steps_fixed_cost_on_cpu(tiny_llama_dir: Pat
         )
     )
     assert small.scheduler.step_width.fixed_rows is None
+
+
+def test_warm_up_measures_what_a_long_context_costs_where_the_pool_holds_the_probe(tiny_llama_dir: Path):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            cache=CacheConfig(num_blocks=1024, block_size=16),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, prompt_key_rows=0.5),
+        )
+    )
+    width = engine.scheduler.step_width
+    assert width.decode_key_rows is not None and 0.0 <= width.decode_key_rows <= 64
+    assert width.prompt_key_rows == 0.5  # what the deployment set stands
+    assert width.fixed_rows is not None and width.prompt_logprob_rows is not None
