@@ -3,9 +3,11 @@ context), and which waiting sequences start this step.
 
 Waiting sequences start in the scheduler's order (tier, then fair share, then arrival) while the
 step has token budget, a free slot and KV blocks, each reusing what the prefix cache holds of it.
-The order is strict: a big request at the head is never overtaken, so it cannot starve. The one
-exception is LoRA: a head whose adapter finds no device slot waits for one, while base-model
-requests behind it (which take no slot) run meanwhile.
+The order is strict: a big request at the head is never overtaken, so it cannot starve. Two
+exceptions: a head whose adapter finds no device slot waits for one, while base-model requests
+behind it (which take no slot) run meanwhile; and a head whose tenant has spent its rows of a
+shared step (engine.step_width) waits for the next step, while the other tenants' heads start
+(its tenant's rows come back every step, so it starts no later than its own running work allows).
 """
 
 from __future__ import annotations
@@ -63,18 +65,32 @@ class Admission:
         sched = self.sched
         bm, waiting, lora_slots = sched.block_manager, sched.waiting, sched.lora_slots
         loras_in_use = {s.lora_id for s in sched.running if s.lora_id} if lora_slots is not None else set()
+        spent: set[str] = set()  # tenants whose rows of this shared step are spent
         while min(budget, prefill_budget) > 0 and len(sched.running) < sched.config.max_num_seqs:
             seq = waiting.peek()
             if seq is None:
                 break
             if lora_slots is not None and not lora_slots.can_admit(seq.lora_id, loras_in_use):
-                seq = next((s for s in waiting if s.lora_id == 0), None)
-                if seq is None:
-                    break
+                seq = next((s for s in waiting if s.lora_id == 0 and s.tenant not in spent), None)
+            elif seq.tenant in spent:
+                seq = next(
+                    (
+                        s
+                        for s in waiting.heads()
+                        if s.tenant not in spent
+                        and (lora_slots is None or lora_slots.can_admit(s.lora_id, loras_in_use))
+                    ),
+                    None,
+                )
+            if seq is None:
+                break
             # Prompt logprobs come out of the prompt's own forward passes: nothing is reused.
             computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             num_hit = len(computed) * sched.block_size
             allowed = sched.allow_prompt(seq, min(budget, prefill_budget), num_hit)
+            if allowed == 0 and sched.share.bounded:
+                spent.add(seq.tenant)
+                continue
             num_new = sched.num_new_tokens(seq.num_tokens - num_hit, allowed)
             if num_new == 0 or not bm.can_allocate(seq, num_new, computed):
                 break

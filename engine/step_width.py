@@ -149,6 +149,11 @@ class StepShare:
         self._cap = cap  # a tenant the plan did not see (it had no demand)
         self.costs = costs or RowCosts()
 
+    @property
+    def bounded(self) -> bool:
+        """Whether this step's prompt tokens are shared out (each tenant's rows are bounded)."""
+        return self._rows is not None
+
     def allow(self, seq: Sequence, tokens: int, start: int | None = None) -> int:
         """The prompt tokens of `tokens` that `seq` may compute this step, from `start` (by default
         its computed tokens)."""

@@ -272,6 +272,23 @@ def test_the_siblings_a_plan_does_not_see_cannot_widen_a_step_that_fits():
     assert Counter(i.seq.tenant for i in out.scheduled if i.num_new_tokens == 1)["small"] == 2
 
 
+def test_a_waiting_head_whose_tenant_spent_its_rows_does_not_hold_back_another_tenants():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5)
+    _add(sched, "small", 1)
+    _until_all_decode(sched)
+    _add(sched, "wide", 1, prompt=200)
+    _step(sched)
+    _add(sched, "wide", 3, prompt=40)
+    sched.service.charge("small", output_tokens=10_000)  # the wide tenant's heads come first
+    (new,) = _add(sched, "small", 1, prompt=8)
+    assert sched.waiting.peek().tenant == "wide"
+    out = sched.schedule()
+    # width = 4 + 2 x 5 = 14 rows, 7 a tenant: the wide tenant's long prompt spends its 7, and its
+    # waiting head waits for the next step; the small tenant's starts beside its decode.
+    assert _prompt_tokens(out, "wide") == 14
+    assert [i.num_new_tokens for i in out.scheduled if i.seq is new] == [4]  # 4 more are cached
+
+
 def test_a_long_context_decode_costs_more_rows():
     sched = _scheduler(fixed_rows=5.0, prompt_token_rows=0.5, decode_key_rows=0.02)
     wide = _add(sched, "wide", 12, prompt=200)
