@@ -106,7 +106,7 @@ LONG_PROBE_SEQS = 8
 PROMPT_LOGPROBS_PROBE = 20
 # Interleaved timings of each; the least of each is kept, since other processes on the machine
 # (the web tier starting beside the replica) only ever add time.
-FIXED_ROWS_REPEATS = 7
+FIXED_ROWS_REPEATS = 5
 # The most any cost may be, in rows (a step that does not grow measurably gives huge ones).
 MAX_TOKEN_ROWS = 64.0
 
