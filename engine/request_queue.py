@@ -4,6 +4,7 @@ under FCFS), FIFO within a tenant, resumed sequences first."""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
@@ -66,14 +67,14 @@ class WaitingQueue(Generic[Q]):
             for q in level.tenants.values():
                 yield from q
 
-    def heads(self) -> Iterator[Q]:
-        """The resumed sequences and each tenant's first waiting one: those that may start next."""
+    def heads(self, per_tenant: int = 1) -> Iterator[Q]:
+        """The resumed sequences and each tenant's first `per_tenant` waiting ones: those that may
+        start next."""
         for p in sorted(self._levels):
             level = self._levels[p]
             yield from level.resumed
             for q in level.tenants.values():
-                if q:
-                    yield q[0]
+                yield from itertools.islice(q, per_tenant)
 
     def push(self, seq: Q, *, resumed: bool = False, first: bool = False) -> None:
         level = self._levels.setdefault(seq.priority, _Level[Q]())

@@ -287,7 +287,7 @@ class Scheduler:
         held: list[Sequence] = []  # less important decodes, granted unless a prompt goes first
         self.share = self.step_width.plan(
             self.running,
-            self.waiting.heads() if len(self.running) < self.config.max_num_seqs else (),
+            self.waiting.heads(self.config.max_num_seqs - len(self.running)),
             self.service.active(),
             min(self.config.max_num_batched_tokens, prefill_budget),
             self.prompt_start,

@@ -13,8 +13,8 @@ ROW_CONTEXT (a long context's keys are read for it alone). A prompt token costs
 `prompt_token_rows`, plus `prompt_key_rows` per key it attends (its position), plus
 `prompt_logprob_rows` where its request asked for prompt logprobs (the token is scored over the
 vocabulary). A tenant's demand counts its decodes, and the prompt tokens it could compute: for its
-prompts being computed and the first it has waiting while a slot is free (the tokens its start
-would compute: those the prefix cache does not already hold). A tenant present without demand (its
+prompts being computed and those it has waiting, as many as there are free slots, up to a step's
+prompt budget (the tokens a start would compute: those the prefix cache does not already hold). A tenant present without demand (its
 sequences wait for a slot, or all finished less than LINGER_S ago: its client's next request is on
 its way) counts one row. While two or more tenants are present, a step carries at most
 
@@ -34,9 +34,9 @@ first: above the cap, its sequences take turns, each step decoding those that de
 recently, while the others keep their KV blocks and sit the step out. What the decodes leave is its
 prompt tokens, computed a chunk a step.
 
-While everything the plan sees fits the width, the spare rows are shared alike, so that what it
-does not see (a tenant's waiting sequences after its first: the siblings of an `n` request, which
-start together) cannot widen the step past it.
+While everything fits the width, the spare rows are shared alike: no tenant is held back, and
+whatever a demand misses (a prompt computed beyond the prefix-cache hits it was counted by) cannot
+widen the step past the width.
 
 The costs are measured on CPU at warm-up (engine.warm_up.shared_step_costs) unless the deployment
 sets them; on a GPU, where a step's time barely grows with its batch, they are not measured and
@@ -238,8 +238,8 @@ class SharedStepWidth:
         max_prompt_tokens: int,
         prompt_start: Callable[[Sequence], int] | None = None,
     ) -> StepShare:
-        """This step's share. `startable`: waiting sequences that may start this step (a slot is
-        free); `active`: the tenants with unfinished sequences; `max_prompt_tokens`: the most
+        """This step's share. `startable`: waiting sequences that may start this step, in each
+        tenant's order (at most as many of a tenant's as there are free slots); `active`: the tenants with unfinished sequences; `max_prompt_tokens`: the most
         prompt tokens one step computes; `prompt_start`: where a waiting sequence's start would
         begin computing (after the prefix-cache hits it would claim; None: at its computed tokens)."""
         if not self.enabled:
@@ -257,12 +257,15 @@ class SharedStepWidth:
                 decoding.setdefault(seq.tenant, []).append(seq)
             else:
                 prompts.setdefault(seq.tenant, []).append((seq, seq.num_computed_tokens))
-        starting: set[str] = set()
+        # A tenant's waiting sequences count up to the step's prompt budget (beyond it they could
+        # not start this step anyway); the caller gives at most as many as there are free slots.
+        waiting_tokens: dict[str, int] = {}
         for seq in startable:
-            if seq.tenant not in starting:  # a tenant's first: the others start after it
-                starting.add(seq.tenant)
-                start = seq.num_computed_tokens if prompt_start is None else prompt_start(seq)
-                prompts.setdefault(seq.tenant, []).append((seq, start))
+            if waiting_tokens.get(seq.tenant, 0) >= max_prompt_tokens:
+                continue
+            start = seq.num_computed_tokens if prompt_start is None else prompt_start(seq)
+            waiting_tokens[seq.tenant] = waiting_tokens.get(seq.tenant, 0) + seq.num_tokens - start
+            prompts.setdefault(seq.tenant, []).append((seq, start))
         demand: dict[str, float] = {t: sum(costs.decode(s) for s in seqs) for t, seqs in decoding.items()}
         for tenant, chunks in prompts.items():
             cost, budget = 0.0, max_prompt_tokens
@@ -279,8 +282,8 @@ class SharedStepWidth:
         limit = width(self.slowdown, self.fixed_rows, least)
         total = sum(demand.values())
         if total <= limit:
-            # Everything seen fits; the step's spare rows are shared alike, so that what the plan
-            # does not see (a tenant's waiting sequences after its first) cannot widen the step.
+            # Everything fits; the spare rows are shared alike, so that what a demand misses cannot
+            # widen the step past the width.
             caps = {t: d + (limit - total) / len(demand) for t, d in demand.items()}
         else:
             caps = tenant_caps(demand, limit)

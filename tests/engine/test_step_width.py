@@ -260,15 +260,16 @@ def test_a_waiting_prompt_counts_only_the_tokens_the_prefix_cache_lacks():
     assert sum(1 for item in out.scheduled if item.seq in wide) == 6
 
 
-def test_the_siblings_a_plan_does_not_see_cannot_widen_a_step_that_fits():
+def test_an_n_requests_waiting_siblings_count_in_its_demand():
     sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5)
     _add(sched, "small", 2)
     _until_all_decode(sched)
     _add(sched, "wide", 32, prompt=8)  # an n request: 32 waiting sequences
     out = sched.schedule()
-    # The plan sees the wide tenant's first: 4 rows beside the small tenant's 2, within the width of
-    # 4 + 2 x 2 = 8. The spare 2 rows are shared: 5 rows, 10 prompt tokens, not all 256.
-    assert sum(i.num_new_tokens for i in out.scheduled if i.seq.tenant == "wide") == 10  # all prompt
+    # The wide tenant's demand is all 32 prompts (128 rows), not its first (4 rows, which would fit
+    # beside the small tenant's 2 in the width of 4 + 2 x 2 = 8 and leave the rest unbounded): it
+    # gets the 6 rows left, 12 prompt tokens, not all 256.
+    assert sum(i.num_new_tokens for i in out.scheduled if i.seq.tenant == "wide") == 12  # all prompt
     assert Counter(i.seq.tenant for i in out.scheduled if i.num_new_tokens == 1)["small"] == 2
 
 
