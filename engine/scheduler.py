@@ -285,9 +285,10 @@ class Scheduler:
             self.config.lower_tier_prefill_tokens, self.running, self.waiting.peek()
         )
         held: list[Sequence] = []  # less important decodes, granted unless a prompt goes first
+        free_slots = self.config.max_num_seqs - len(self.running)
         self.share = self.step_width.plan(
             self.running,
-            self.waiting.heads(self.config.max_num_seqs - len(self.running)),
+            self.waiting.heads(free_slots) if free_slots > 0 else (),
             self.service.active(),
             min(self.config.max_num_batched_tokens, prefill_budget),
             self.prompt_start,
