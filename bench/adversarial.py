@@ -1,8 +1,10 @@
 """Adversarial cost: a victim tenant's streams beside cheap-to-send, costly-to-serve requests.
 
 The whole stack runs (daphne and one engine replica as subprocesses, bench._stack) on
-SmolLM2-135M-Instruct in float32 on CPU, with two tenants, both unthrottled (the limits are not what
-is measured): the victim and the attacker. The victim keeps --victim-streams chat streams going, one
+SmolLM2-135M-Instruct in float32 on CPU, with two tenants: the victim, unthrottled, and the attacker,
+unthrottled in tokens, concurrency and quota (what the engine is made to pay is measured) but held
+to a new tenant's requests per minute (600 by default; --attacker-rpm, 0 for none), the bound on
+floods of cheap requests, whose 429s are held (PAGODA_RATE_LIMIT_HOLD_S). The victim keeps --victim-streams chat streams going, one
 request after another: a short question, --victim-tokens tokens with EOS ignored, every other
 request under a JSON schema of its own (a new schema each time, so each needs a grammar compile).
 
@@ -281,14 +283,19 @@ def attack_workers(kind: str, attackers: int, sequence_cap: int) -> int:
     return max(1, -(-wanted // per_request))
 
 
-def add_attacker_tenant(stack: BenchStack) -> tuple[int, str]:
+def add_attacker_tenant(stack: BenchStack, *, requests_per_minute: int | None) -> tuple[int, str]:
+    """The attacker's tenant: unthrottled in tokens, concurrency and quota (what the engine is made to
+    pay is measured), at `requests_per_minute` (None: unthrottled too)."""
     from tenants.services import api_key_create, tenant_create
 
+    limits = dict(UNTHROTTLED)
+    if requests_per_minute is not None:
+        limits["requests_per_minute"] = requests_per_minute
     tenant = tenant_create(
         name=f"Attacker {stack.run_id}",
         slug=f"attacker-{stack.run_id}",
         allowed_models=[stack.model],
-        **UNTHROTTLED,
+        **limits,
     )
     _, raw_key = api_key_create(tenant=tenant, name="attacker")
     return tenant.pk, raw_key
@@ -331,6 +338,13 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument(
+        "--attacker-rpm",
+        type=int,
+        default=None,
+        help="the attacker tenant's requests per minute (default: a new tenant's, "
+        "PAGODA_TENANT_DEFAULT_RPM; 0: unthrottled)",
+    )
     add_engine_setting_option(parser, help="a deployment engine_settings entry (JSON value), repeatable")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
@@ -348,7 +362,12 @@ def main() -> int:
     stack = create_stack(model_dir=model_dir, engine_settings=engine_settings, max_model_len=4096)
     attacker_tenant = None
     try:
-        attacker_tenant, attacker_key = add_attacker_tenant(stack)
+        from django.conf import settings
+
+        attacker_rpm = args.attacker_rpm
+        if attacker_rpm is None:
+            attacker_rpm = int(settings.TENANT_DEFAULT_LIMITS["requests_per_minute"])
+        attacker_tenant, attacker_key = add_attacker_tenant(stack, requests_per_minute=attacker_rpm or None)
         stack.start(threads=args.threads)
         victim = openai.OpenAI(base_url=stack.api_base, api_key=stack.api_key, max_retries=0, timeout=600)
         raw = httpx.Client(
@@ -460,6 +479,7 @@ def main() -> int:
             phase_s=args.phase_s,
             victim_streams=args.victim_streams,
             sequence_cap_seen=sequence_cap[0],
+            attacker_requests_per_minute=attacker_rpm or None,
         )
         print(json.dumps(figures, default=dict), flush=True)
         return 0 if figures["within_target"] else 1

@@ -391,6 +391,9 @@ DEFAULT_FROM_EMAIL = envstr("PAGODA_EMAIL_FROM", "pagoda@localhost")
 WEBHOOK_ALLOW_PRIVATE = envbool("PAGODA_WEBHOOK_ALLOW_PRIVATE", False)
 WEBHOOK_TIMEOUT_S = envfloat("PAGODA_WEBHOOK_TIMEOUT_S", 5.0)
 WEBHOOK_MAX_ATTEMPTS = envint("PAGODA_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1)
+# A rate-limit refusal (429) is answered after its Retry-After, at most this long: a client that
+# ignores Retry-After cannot make the web process refuse it as fast as it can (core.errors).
+RATE_LIMIT_HOLD_S = envfloat("PAGODA_RATE_LIMIT_HOLD_S", 1.0)
 # The limits a new tenant starts with, finite so that a tenant nobody configured cannot take a whole
 # replica; operators change them per tenant in the admin (an empty field there means unlimited).
 TENANT_DEFAULT_LIMITS = {

@@ -82,6 +82,23 @@ class RateLimitError(PlatformError):
     code = "rate_limit_exceeded"
     default_message = "Rate limit reached. Please try again later."
 
+    def hold_s(self, most: float) -> float:
+        """How long the answer waits before it is sent: its Retry-After, at most `most` seconds.
+
+        A client that honours Retry-After loses nothing by it, since it would wait that long before
+        trying again; one that ignores it and asks again at once is answered at most once per
+        `most` seconds per connection, instead of as fast as the web process can refuse it, which
+        is CPU the other tenants' requests need."""
+        try:
+            wait = (
+                int(self.headers["retry-after-ms"]) / 1000
+                if "retry-after-ms" in self.headers
+                else float(self.headers.get("retry-after", most))
+            )
+        except ValueError:
+            wait = most
+        return max(0.0, min(wait, most))
+
 
 class QuotaExceededError(PlatformError):
     status_code = 429

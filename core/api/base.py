@@ -15,6 +15,7 @@ x-ratelimit-* headers (it raises RateLimitError when over).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -34,7 +35,13 @@ from core.actor import SYSTEM, Actor, acting_as
 from core.api.exceptions import error_response, to_platform_error
 from core.client_address import client_address
 from core.concurrency import blocking
-from core.errors import InvalidRequestError, MethodNotAllowedError, PermissionDeniedError, PlatformError
+from core.errors import (
+    InvalidRequestError,
+    MethodNotAllowedError,
+    PermissionDeniedError,
+    PlatformError,
+    RateLimitError,
+)
 from core.request_ids import new_request_id
 
 
@@ -119,6 +126,8 @@ class ApiView(View):
         except Exception as exc:  # noqa: BLE001 - rendered in the API's shape (an unknown one is logged)
             if isinstance(exc, PlatformError) and exc.status_code == 429:
                 self.ratelimit_headers = {}  # the error carries its own, fresher ones
+            if isinstance(exc, RateLimitError):
+                await asyncio.sleep(exc.hold_s(settings.RATE_LIMIT_HOLD_S))
             response = self.render_error(exc)
         for name, value in self.ratelimit_headers.items():
             if not response.has_header(name):

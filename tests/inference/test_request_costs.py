@@ -202,3 +202,105 @@ async def test_websocket_chat_messages_that_fail_validation_count_against_reques
     )
     assert response.status_code == 429
     await communicator.disconnect()
+
+
+# A refusal by a rate limit is held (its Retry-After, at most RATE_LIMIT_HOLD_S): a client that
+# asks again at once, ignoring Retry-After, cannot make the web process refuse it as fast as it can.
+
+
+def test_a_refusals_hold_is_its_retry_after_at_most_the_setting():
+    from core.errors import RateLimitError
+
+    assert RateLimitError(headers={"retry-after": "30", "retry-after-ms": "250"}).hold_s(1.0) == 0.25
+    assert RateLimitError(headers={"retry-after": "30"}).hold_s(1.0) == 1.0
+    assert RateLimitError(headers={"retry-after": "0"}).hold_s(1.0) == 0.0
+    assert RateLimitError().hold_s(1.5) == 1.5
+    assert RateLimitError(headers={"retry-after": "soon"}).hold_s(1.0) == 1.0
+    assert RateLimitError(headers={"retry-after": "30"}).hold_s(0.0) == 0.0
+
+
+def _refusals(tenant_id: int) -> int:
+    import time as time_module
+
+    from tenants.ratelimit.limiter import rate_limited_count
+
+    now = time_module.time()
+    hours = {time_module.strftime("%Y-%m-%dT%H", time_module.gmtime(now - s)) for s in (0, 3600)}
+    return sum(rate_limited_count(tenant_id=tenant_id, hour=hour) for hour in hours)
+
+
+@pytest.mark.world(tenant_a={"requests_per_minute": 1})
+async def test_a_refused_request_is_held_while_other_tenants_are_answered(world, settings):
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    from tests.helpers import async_wait_until
+
+    settings.RATE_LIMIT_HOLD_S = 8.0
+    client = AsyncClient()
+    assert (await client.get("/v1/models", headers=world.headers())).status_code == 200
+    refused_before = await sync_to_async(_refusals)(world.tenant_a.pk)
+
+    # Given tenant A over its requests/min, asking again at once
+    held = asyncio.ensure_future(client.get("/v1/models", headers=world.headers()))
+    try:
+
+        async def refused() -> bool:
+            return await sync_to_async(_refusals)(world.tenant_a.pk) > refused_before
+
+        await async_wait_until(refused, what="A's request refused")
+        # When tenant B asks meanwhile
+        other = await asyncio.wait_for(
+            client.get("/v1/models", headers=world.headers(world.raw_key_b)), timeout=30
+        )
+        # Then B is answered while A's refusal is still held
+        assert other.status_code == 200
+        assert not held.done()
+    finally:
+        refused = await asyncio.wait_for(held, timeout=60)
+    assert refused.status_code == 429
+
+
+@pytest.mark.world(tenant_a={"requests_per_minute": 1})
+async def test_a_refusal_is_answered_once_its_hold_is_over(world, settings):
+    import time as time_module
+
+    settings.RATE_LIMIT_HOLD_S = 0.5
+    client = AsyncClient()
+    assert (await client.get("/v1/models", headers=world.headers())).status_code == 200
+
+    started = time_module.monotonic()
+    refused = await client.get("/v1/models", headers=world.headers())
+
+    assert time_module.monotonic() - started >= 0.5
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refused["retry-after"]) <= 60
+
+
+@pytest.mark.world(tenant_a={"requests_per_minute": 1})
+async def test_a_websocket_client_refused_is_answered_once_a_hold_per_message(world, settings):
+    import time as time_module
+
+    settings.RATE_LIMIT_HOLD_S = 0.5
+    communicator = WebsocketCommunicator(
+        application, "/ws/v1/chat", subprotocols=["pagoda.v1", f"pagoda.bearer.{world.raw_key_a}"]
+    )
+    assert (await communicator.connect())[0]
+    assert (await communicator.receive_json_from(timeout=10))["type"] == "authenticated"
+    bad = {"type": "chat", "id": "bad", "request": chat_body(world, max_tokens="many")}
+    await communicator.send_json_to(bad)
+    assert (await communicator.receive_json_from(timeout=10))["error"]["code"] == "invalid"
+
+    # Three more messages sent at once, each refused by the limit
+    started = time_module.monotonic()
+    for i in range(3):
+        await communicator.send_json_to({**bad, "id": f"again{i}"})
+    answers = [await communicator.receive_json_from(timeout=30) for _ in range(3)]
+
+    assert [(a["id"], a["error"]["code"]) for a in answers] == [
+        (f"again{i}", "rate_limit_exceeded") for i in range(3)
+    ]
+    assert time_module.monotonic() - started >= 1.5
+    await communicator.disconnect()

@@ -172,9 +172,14 @@ async def test_one_streams_blocking_work_does_not_stall_other_sockets(world, hel
 
 
 @pytest.mark.world(tenant_a={"max_concurrent_requests": 1})
-async def test_the_tenants_concurrency_limit_covers_websocket_and_rest_together(world, engine_worker):
+async def test_the_tenants_concurrency_limit_covers_websocket_and_rest_together(
+    world, engine_worker, settings
+):
     from tests.helpers import api_post
 
+    # Refusals answered at once (their hold has its own tests): the first stream must still hold the
+    # slot when the second is refused.
+    settings.RATE_LIMIT_HOLD_S = 0.0
     communicator = await _authenticated(world)
     await communicator.send_json_to(_chat("s1", world.model, max_tokens=200, ignore_eos=True))
     first = await communicator.receive_json_from(timeout=60)
