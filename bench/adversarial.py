@@ -4,8 +4,8 @@ The whole stack runs (daphne and one engine replica as subprocesses, bench._stac
 SmolLM2-135M-Instruct in float32 on CPU, with two tenants: the victim, unthrottled, and the attacker,
 unthrottled in tokens, concurrency and quota (what the engine is made to pay is measured) but held
 to a new tenant's requests per minute (600 by default; --attacker-rpm, 0 for none), the bound on
-floods of cheap requests, whose 429s are held (PAGODA_RATE_LIMIT_HOLD_S). The victim keeps --victim-streams chat streams going, one
-request after another: a short question, --victim-tokens tokens with EOS ignored, every other
+floods of cheap requests, whose 429s are held (PAGODA_RATE_LIMIT_HOLD_S). The victim keeps
+--victim-streams chat streams going, one request after another: a short question, --victim-tokens tokens with EOS ignored, every other
 request under a JSON schema of its own (a new schema each time, so each needs a grammar compile).
 
 Phases, each --phase-s seconds, in this order:

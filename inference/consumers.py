@@ -30,9 +30,9 @@ from typing import Any
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from core.api.exceptions import to_platform_error
+from core.api.exceptions import refusal_held, to_platform_error
 from core.concurrency import blocking
-from core.errors import AuthenticationError, InvalidRequestError, PlatformError, RateLimitError
+from core.errors import AuthenticationError, InvalidRequestError, PlatformError
 from core.request_ids import new_request_id
 from inference import metrics
 from inference.api.base import generation_input
@@ -297,8 +297,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             pass
 
     async def _error(self, stream_id: Any, exc: PlatformError) -> None:
-        if isinstance(exc, RateLimitError):
-            # As the REST API holds it (core.api.base): messages are taken one at a time, so a
-            # client sending again at once is refused at most once per hold.
-            await asyncio.sleep(exc.hold_s(settings.RATE_LIMIT_HOLD_S))
+        # Messages are taken one at a time, so a client sending again at once is refused at most
+        # once per hold.
+        await refusal_held(exc)
         await self._send_quietly({"type": "error", "id": stream_id, **exc.as_body()})

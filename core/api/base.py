@@ -15,7 +15,6 @@ x-ratelimit-* headers (it raises RateLimitError when over).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -32,16 +31,10 @@ from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
 
 from core.actor import SYSTEM, Actor, acting_as
-from core.api.exceptions import error_response, to_platform_error
+from core.api.exceptions import error_response, refusal_held, to_platform_error
 from core.client_address import client_address
 from core.concurrency import blocking
-from core.errors import (
-    InvalidRequestError,
-    MethodNotAllowedError,
-    PermissionDeniedError,
-    PlatformError,
-    RateLimitError,
-)
+from core.errors import InvalidRequestError, MethodNotAllowedError, PermissionDeniedError, PlatformError
 from core.request_ids import new_request_id
 
 
@@ -126,8 +119,7 @@ class ApiView(View):
         except Exception as exc:  # noqa: BLE001 - rendered in the API's shape (an unknown one is logged)
             if isinstance(exc, PlatformError) and exc.status_code == 429:
                 self.ratelimit_headers = {}  # the error carries its own, fresher ones
-            if isinstance(exc, RateLimitError):
-                await asyncio.sleep(exc.hold_s(settings.RATE_LIMIT_HOLD_S))
+            await refusal_held(exc)
             response = self.render_error(exc)
         for name, value in self.ratelimit_headers.items():
             if not response.has_header(name):

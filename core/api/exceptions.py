@@ -6,6 +6,7 @@ the middleware that guarantees JSON on /v1 all answer errors through it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from django.conf import settings
@@ -138,6 +139,13 @@ def platform_error_of(exc: Exception) -> PlatformError:
         logger.exception("unhandled error", exc_info=exc)
         error = PlatformError()
     return error
+
+
+async def refusal_held(exc: Exception) -> None:
+    """Wait out a rate limit's refusal before it is answered (RateLimitError.hold_s, at most
+    RATE_LIMIT_HOLD_S), on the REST API and the websocket alike; any other error goes at once."""
+    if isinstance(exc, RateLimitError):
+        await asyncio.sleep(exc.hold_s(settings.RATE_LIMIT_HOLD_S))
 
 
 def error_response(exc: Exception) -> JsonResponse:
