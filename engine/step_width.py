@@ -34,6 +34,13 @@ first: above the cap, its sequences take turns, each step decoding those that de
 recently, while the others keep their KV blocks and sit the step out. What the decodes leave is its
 prompt tokens, computed a chunk a step.
 
+Tiers: the width is set by the tenants of the most important tier present (a tenant counts at its
+most important sequence's tier, a lingering one at the tier it was last seen with). Sequences of a
+less important tier (`flex`: batch lines, which run on spare capacity) never set the least demand:
+the more important tenants keep what the width gives them, and the less important ones share what
+it leaves beside them. A batch tenant's few decodes would otherwise narrow the step an interactive
+tenant's prompt is computed in, and that prompt would take several steps instead of one.
+
 While everything fits the width, the spare rows are shared alike: no tenant is held back, and
 whatever a demand misses (a prompt computed beyond the prefix-cache hits it was counted by) cannot
 widen the step past the width.
@@ -50,8 +57,11 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.sequence import Sequence
+
+K = TypeVar("K")
 
 
 def width(slowdown: float, fixed_rows: float, least: float) -> float:
@@ -73,7 +83,7 @@ def tenant_cap(demands: Iterable[float], limit: float) -> float:
     return taken
 
 
-def tenant_caps(demand: dict[str, float], limit: float) -> dict[str, float]:
+def tenant_caps(demand: dict[K, float], limit: float) -> dict[K, float]:
     """Each tenant's rows for a step of at most `limit` (assumed short of the total demand): one
     water-filled cap for all; or, where that cap falls short of the least demand, the least
     demanding tenants' whole demand, and for the others an equal share of what is left (each
@@ -89,6 +99,17 @@ def tenant_caps(demand: dict[str, float], limit: float) -> dict[str, float]:
         left = limit - least * len(lightest)
         caps.update(dict.fromkeys(others, max(1.0, left / len(others))))
     return caps
+
+
+# A tenant's sequences of the most important tier present, or (True) of a less important one.
+Group = tuple[str, bool]
+
+# The most important tier (engine.rules.SERVICE_TIER_PRIORITY counts up from it).
+MOST_IMPORTANT = 0
+
+
+def group(seq: Sequence, top: int) -> Group:
+    return (seq.tenant, seq.priority > top)
 
 
 # A row is one sequence decoded at this many tokens of context (the warm-up probe's).
@@ -135,19 +156,21 @@ class StepShare:
     """One step's share: the decodes that sit it out, and each tenant's rows left for prompt
     tokens (None: not bounded)."""
 
-    __slots__ = ("_cap", "_rows", "costs", "sit_out")
+    __slots__ = ("_cap", "_rows", "_top", "costs", "sit_out")
 
     def __init__(
         self,
         sit_out: set[int] | None = None,
-        rows: dict[str, float] | None = None,
+        rows: dict[Group, float] | None = None,
         cap: float = 0.0,
         costs: RowCosts | None = None,
+        top: int = MOST_IMPORTANT,
     ) -> None:
         self.sit_out = sit_out or set()
         self._rows = rows
         self._cap = cap  # a tenant the plan did not see (it had no demand)
         self.costs = costs or RowCosts()
+        self._top = top  # the most important tier present
 
     @property
     def bounded(self) -> bool:
@@ -159,7 +182,7 @@ class StepShare:
         its computed tokens)."""
         if self._rows is None:
             return tokens
-        left = self._rows.get(seq.tenant, self._cap)
+        left = self._rows.get(group(seq, self._top), self._cap)
         at = seq.num_computed_tokens if start is None else start
         return self.costs.prompt_tokens(seq, at, left, tokens)
 
@@ -169,7 +192,8 @@ class StepShare:
         if self._rows is not None:
             at = seq.num_computed_tokens if start is None else start
             cost = self.costs.prompt(seq, at, tokens)
-            self._rows[seq.tenant] = self._rows.get(seq.tenant, self._cap) - cost
+            key = group(seq, self._top)
+            self._rows[key] = self._rows.get(key, self._cap) - cost
 
 
 # A tenant whose sequences all finished less than this long ago is still present (its client's next
@@ -207,7 +231,8 @@ class SharedStepWidth:
         self.prompt_key_rows = prompt_key_rows  # None: not known, 0
         self.prompt_logprob_rows = prompt_logprob_rows  # None: not known, 0
         self._clock = clock
-        self._seen: dict[str, float] = {}  # when each tenant last had unfinished sequences
+        # When each tenant last had unfinished sequences, and its most important tier then.
+        self._seen: dict[str, tuple[float, int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -221,14 +246,17 @@ class SharedStepWidth:
             self.prompt_logprob_rows or 0.0,
         )
 
-    def _present(self, active: Iterable[str]) -> set[str]:
-        """The tenants with unfinished sequences, and those that had some within LINGER_S."""
+    def _present(self, active: Iterable[str], tiers: dict[str, int]) -> dict[str, int]:
+        """The tenants with unfinished sequences, and those that had some within LINGER_S, each
+        with its most important tier: of its sequences this step (`tiers`), else the one it was
+        last seen with (the most important tier where never seen)."""
         now = self._clock()
         for tenant in active:
-            self._seen[tenant] = now
-        for tenant in [t for t, at in self._seen.items() if now - at >= LINGER_S]:
+            _, tier = self._seen.get(tenant, (now, MOST_IMPORTANT))
+            self._seen[tenant] = (now, tiers.get(tenant, tier))
+        for tenant in [t for t, (at, _) in self._seen.items() if now - at >= LINGER_S]:
             del self._seen[tenant]
-        return set(self._seen)
+        return {t: tier for t, (_, tier) in self._seen.items()}
 
     def plan(
         self,
@@ -245,29 +273,35 @@ class SharedStepWidth:
         if not self.enabled:
             return StepShare()
         assert self.fixed_rows is not None
-        present = self._present(active)
+        running, startable = list(running), list(startable)
+        tiers: dict[str, int] = {}
+        for seq in (*running, *startable):
+            tiers[seq.tenant] = min(seq.priority, tiers.get(seq.tenant, seq.priority))
+        present = self._present(active, tiers)
         if len(present) < 2:
             return StepShare()
+        top = min(present.values())
         costs = self.costs()
         priced = self.prompt_token_rows is not None
-        decoding: dict[str, list[Sequence]] = {}
-        prompts: dict[str, list[tuple[Sequence, int]]] = {}  # (sequence, where its next chunk starts)
+        decoding: dict[Group, list[Sequence]] = {}
+        prompts: dict[Group, list[tuple[Sequence, int]]] = {}  # (sequence, where its next chunk starts)
         for seq in running:
             if seq.num_uncomputed_tokens == 1:
-                decoding.setdefault(seq.tenant, []).append(seq)
+                decoding.setdefault(group(seq, top), []).append(seq)
             else:
-                prompts.setdefault(seq.tenant, []).append((seq, seq.num_computed_tokens))
+                prompts.setdefault(group(seq, top), []).append((seq, seq.num_computed_tokens))
         # A tenant's waiting sequences count up to the step's prompt budget (beyond it they could
         # not start this step anyway); the caller gives at most as many as there are free slots.
-        waiting_tokens: dict[str, int] = {}
+        waiting_tokens: dict[Group, int] = {}
         for seq in startable:
-            if waiting_tokens.get(seq.tenant, 0) >= max_prompt_tokens:
+            key = group(seq, top)
+            if waiting_tokens.get(key, 0) >= max_prompt_tokens:
                 continue
             start = seq.num_computed_tokens if prompt_start is None else prompt_start(seq)
-            waiting_tokens[seq.tenant] = waiting_tokens.get(seq.tenant, 0) + seq.num_tokens - start
-            prompts.setdefault(seq.tenant, []).append((seq, start))
-        demand: dict[str, float] = {t: sum(costs.decode(s) for s in seqs) for t, seqs in decoding.items()}
-        for tenant, chunks in prompts.items():
+            waiting_tokens[key] = waiting_tokens.get(key, 0) + seq.num_tokens - start
+            prompts.setdefault(key, []).append((seq, start))
+        demand: dict[Group, float] = {g: sum(costs.decode(s) for s in seqs) for g, seqs in decoding.items()}
+        for key, chunks in prompts.items():
             cost, budget = 0.0, max_prompt_tokens
             for seq, start in chunks if priced else ():
                 tokens = min(seq.num_tokens - start, budget)
@@ -275,22 +309,36 @@ class SharedStepWidth:
                     break
                 budget -= tokens
                 cost += costs.prompt(seq, start, tokens)
-            demand[tenant] = demand.get(tenant, 0.0) + (cost if priced else 1.0)
-        for tenant in present - demand.keys():  # waiting for a slot or a grammar, or lingering
-            demand[tenant] = 1.0
-        least = min(demand.values())
+            demand[key] = demand.get(key, 0.0) + (cost if priced else 1.0)
+        # Present without demand (waiting for a slot or a grammar, or lingering): one row, in the
+        # tier it was last seen with.
+        for tenant, tier in present.items():
+            key = (tenant, tier > top)
+            if key not in demand and not any(g[0] == tenant for g in demand):
+                demand[key] = 1.0
+        leading = {g: d for g, d in demand.items() if not g[1]}
+        spare_tier = {g: d for g, d in demand.items() if g[1]}
+        least = min((leading or demand).values())
         limit = width(self.slowdown, self.fixed_rows, least)
         total = sum(demand.values())
         if total <= limit:
             # Everything fits; the spare rows are shared alike, so that what a demand misses cannot
             # widen the step past the width.
-            caps = {t: d + (limit - total) / len(demand) for t, d in demand.items()}
+            caps = {g: d + (limit - total) / len(demand) for g, d in demand.items()}
         else:
-            caps = tenant_caps(demand, limit)
+            leading_total = sum(leading.values())
+            if leading_total >= limit:
+                caps = tenant_caps(leading, limit)
+                caps.update(dict.fromkeys(spare_tier, 0.0))
+            else:
+                # The most important tier keeps its whole demand; the less important ones share
+                # what the width leaves beside it.
+                caps = dict(leading)
+                caps.update(dict.fromkeys(spare_tier, tenant_cap(spare_tier.values(), limit - leading_total)))
         sit_out: set[int] = set()
-        rows: dict[str, float] = {}
-        for tenant, cap in caps.items():
-            seqs = decoding.get(tenant, [])
+        rows: dict[Group, float] = {}
+        for key, cap in caps.items():
+            seqs = decoding.get(key, [])
             seqs.sort(key=lambda s: (s.last_decode_step, s.seq_id))  # least recently decoded first
             spent, turns = 0.0, 0
             for seq in seqs:  # each tenant decodes at least one sequence a step
@@ -300,7 +348,7 @@ class SharedStepWidth:
                 spent += cost
                 turns += 1
             sit_out.update(s.seq_id for s in seqs[turns:])
-            rows[tenant] = max(0.0, cap - spent)
+            rows[key] = max(0.0, cap - spent)
         if not priced:
             return StepShare(sit_out)
-        return StepShare(sit_out, rows, least, costs)
+        return StepShare(sit_out, rows, least, costs, top)

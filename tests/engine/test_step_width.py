@@ -13,6 +13,7 @@ import pytest
 
 from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.rules import SERVICE_TIER_PRIORITY
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -58,12 +59,13 @@ def _add(
     out: int = 1000,
     prompt: int = 8,
     prompt_logprobs: int | None = None,
+    priority: int = 0,
 ) -> list[Sequence]:
     seqs = []
     for i in range(count):
         tokens = [100 + sum(map(ord, tenant)) % 300, *([1 + i % 50] * (prompt - 1))]
         params = Params(out, prompt_logprobs=prompt_logprobs)
-        seq = Sequence(f"{tenant}{i}-{time.monotonic_ns()}", tokens, params, tenant=tenant)
+        seq = Sequence(f"{tenant}{i}-{time.monotonic_ns()}", tokens, params, tenant=tenant, priority=priority)
         sched.add(seq)
         seqs.append(seq)
     return seqs
@@ -432,3 +434,50 @@ def test_warm_up_measures_what_a_long_context_costs_where_the_pool_holds_the_pro
     assert width.decode_key_rows is not None and 0.0 <= width.decode_key_rows <= 64
     assert width.prompt_key_rows == 0.5  # what the deployment set stands
     assert width.fixed_rows is not None and width.prompt_logprob_rows is not None
+
+
+FLEX = SERVICE_TIER_PRIORITY["flex"]
+DEFAULT = SERVICE_TIER_PRIORITY["default"]
+
+
+def test_a_spare_capacity_tenant_never_narrows_a_more_important_tenants_prompt():
+    # The batch tenant's 6 flex decodes are the least demand; were it counted as the least, the
+    # width would be 4 + 2 x 6 = 16 rows and the chat tenant's 40-token prompt would take three
+    # steps. The width is the chat tenant's own: its prompt is computed in one step, and the flex
+    # decodes sit that step out (engine.scheduler.TierGate).
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=1.0)
+    _add(sched, "batch", 6, priority=FLEX)
+    _until_all_decode(sched)
+    (chat,) = _add(sched, "chat", 1, prompt=40, priority=DEFAULT)
+    out = sched.schedule()
+    assert [(i.seq.tenant, i.num_new_tokens) for i in out.scheduled] == [("chat", 40)]
+    assert chat.num_uncomputed_tokens == 40
+
+
+def test_a_spare_capacity_tenant_decodes_in_what_the_width_leaves_beside_the_more_important_one():
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=1.0)
+    _add(sched, "batch", 30, priority=FLEX)
+    _until_all_decode(sched)
+    _add(sched, "chat", 2, priority=DEFAULT)
+    _until_all_decode(sched)
+    # width = (2 - 1) x 4 + 2 x 2 = 8 rows: the chat tenant's 2, and 6 for the flex tenant.
+    for _ in range(4):
+        assert _step(sched) == Counter({"chat": 2, "batch": 6})
+
+
+def test_the_spare_capacity_tier_is_bounded_by_the_more_important_tenants_alone_not_by_each_other():
+    # Two chat tenants, one decoding 2 sequences and one computing a 12-token prompt, and a flex
+    # tenant with 30 decodes: the width is set by the chat tenants (the least: 2 rows, 8 in all),
+    # they keep their demand, the flex tenant gets what is left.
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.25, max_num_seqs=64)
+    _add(sched, "batch", 30, priority=FLEX)
+    _until_all_decode(sched)
+    _add(sched, "chat", 2, priority=DEFAULT)
+    _until_all_decode(sched)
+    _add(sched, "other", 1, prompt=12, priority=DEFAULT)
+    out = sched.schedule()
+    by_tenant = Counter()
+    for item in out.scheduled:
+        by_tenant[item.seq.tenant] += item.num_new_tokens
+    # A more important prompt is computed in this step: the flex decodes sit it out.
+    assert by_tenant == Counter({"chat": 2, "other": 12})
