@@ -19,6 +19,11 @@ during the batch). Targets: interactive p90 TTFT within 1.2x of alone; batch sha
     .venv/bin/python bench/batch.py                      # the bench random-weight model
     .venv/bin/python bench/batch.py --model smollm2      # SmolLM2-135M
 
+The JSON also gives the replica's measured step cost (`step_fixed_rows`: the shared step width's
+fixed cost, in decode rows, from its start-up probe) and `interrupted_steps` (batch steps given up
+between layers for an interactive arrival, engine.step_interrupt). `--engine-setting
+no_step_interrupts=true` runs without them.
+
 Prints progress on stderr and a final JSON line.
 """
 
@@ -29,6 +34,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -261,6 +267,17 @@ def main() -> None:
         spare = figures["capacity"]["output_tok_s"] - figures["with_batch"]["output_tok_s"]
         figures["batch_share_of_spare"] = (
             round(figures["batch"]["output_tok_s"] / spare, 3) if spare > 0 else None
+        )
+        from inference.selectors import deployment_replicas
+
+        # What the replica measured and did: the shared step width's fixed cost (in decode rows,
+        # from its start-up probe), and the batch's steps it gave up for interactive arrivals.
+        costs = re.search(
+            r"step costs: .*?\(([0-9.]+) rows\)", stack.log_path("engine").read_text(errors="replace")
+        )
+        figures["step_fixed_rows"] = float(costs.group(1)) if costs else None
+        figures["interrupted_steps"] = sum(
+            r.num_interrupted_steps for r in deployment_replicas(name=stack.model)
         )
         figures["p90_ttft_ratio"] = round(
             figures["with_batch"]["p90_ttft_ms"] / figures["alone"]["p90_ttft_ms"], 3

@@ -7,6 +7,7 @@ outside is checked in add_request and refused with a typed error before any stat
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -27,6 +28,7 @@ from engine.request_state import (
 from engine.scheduler import FINISH_QUEUE_TIMEOUT, Scheduler
 from engine.sequence import Sequence
 from engine.speculative import Speculator
+from engine.step_interrupt import StepInterrupted, checker, interruptible
 from engine.step_profile import StepProfile
 from engine.structured_output.manager import GrammarRequests
 from engine.warm_up import shared_step_costs, warm_up
@@ -130,6 +132,11 @@ class LLMEngine:
         self.num_resumed_tokens = 0
         # Per-phase step timings when set (the engine benchmarks do); None costs nothing.
         self.profile: StepProfile | None = None
+        # Set by the replica's worker when a request more important than the spare-capacity tier
+        # arrives (engine.step_interrupt): a step of that tier alone is then given up between
+        # layers. None: steps are never given up.
+        self.arrived: threading.Event | None = None
+        self.num_interrupted_steps = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -186,8 +193,15 @@ class LLMEngine:
             touched[seq.request_id] = None
         if sched_out.scheduled:
             self.num_steps += 1
+            arrived = self.arrived
+            between = checker(arrived) if arrived is not None and interruptible(sched_out.scheduled) else None
             try:
-                result = self.runner.run(sched_out, profile)
+                result = self.runner.run(sched_out, profile, between)
+            except StepInterrupted:
+                # Nothing of the step is kept; its sequences are scheduled again (the more
+                # important prompt first).
+                self.num_interrupted_steps += 1
+                return self.output_processor.outputs(touched)
             except Exception as exc:  # a failed forward ends the requests in it, not the engine
                 return self.output_processor.outputs(touched) + self.output_processor.fail(sched_out, exc)
             for seq_id, entries in result.prompt_logprobs.items():
@@ -225,6 +239,7 @@ class LLMEngine:
             num_resumed_tokens=self.num_resumed_tokens,
             spec_num_draft_tokens=self.speculator.stats.num_draft_tokens if self.speculator else 0,
             spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens if self.speculator else 0,
+            num_interrupted_steps=self.num_interrupted_steps,
         )
 
     def get_stats(self) -> dict[str, int | float | list[str]]:

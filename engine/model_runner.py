@@ -275,9 +275,15 @@ class ModelRunner:
             )
         return self._generators[seq.seq_id]
 
-    def run(self, scheduler_output: SchedulerOutput, profile: StepProfile | None = None) -> RunnerOutput:
+    def run(
+        self,
+        scheduler_output: SchedulerOutput,
+        profile: StepProfile | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> RunnerOutput:
         """One step: the forward of the scheduled tokens, then sampling. ``profile``, when the
-        engine profiles its steps, is marked after each phase."""
+        engine profiles its steps, is marked after each phase. ``between_layers``: called between
+        the model's decoder layers (engine.step_interrupt: it may raise to give the step up)."""
         if not scheduler_output.scheduled:
             return RunnerOutput({}, {})
         scheduled = scheduler_output.scheduled
@@ -295,9 +301,11 @@ class ModelRunner:
         join_bitmask = (
             self.grammar_bitmask(seqs, prefixes) if self.grammar_bitmask is not None and seqs else None
         )
+        self.model.between_layers = between_layers
         try:
             logits = self.execute(inputs)
         finally:
+            self.model.between_layers = None
             bitmask = join_bitmask() if join_bitmask is not None else None
         if profile is not None:
             if logits.device.type == "cuda":

@@ -334,6 +334,8 @@ class ReplicaStats:
     # stolen from other replicas' streams where they waited past the steal delay.
     num_routed_requests: int = 0
     num_stolen_requests: int = 0
+    # Spare-capacity (flex) steps given up since start for a more important arrival.
+    num_interrupted_steps: int = 0
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     # Shutting down: it finishes what runs but takes nothing new (not ready; still live).

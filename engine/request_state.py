@@ -99,6 +99,8 @@ class EngineLoad:
     num_resumed_tokens: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Spare-capacity steps given up since start for a more important arrival (engine.step_interrupt).
+    num_interrupted_steps: int = 0
 
 
 def check_request_fields(

@@ -289,6 +289,7 @@ ENGINE_SETTINGS = {
     "speculative_draft_blocks": "int",
     "enforce_eager": "switch",
     "no_prefix_caching": "switch",
+    "no_step_interrupts": "switch",
     "enable_lora": "switch",
 }
 ENGINE_SETTING_FLAGS = {

@@ -226,6 +226,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="an idle replica takes requests routed to another replica that waited this long; 0: never",
     )
     redis_opts.add_argument(
+        "--no-step-interrupts",
+        action="store_true",
+        help="never give up a spare-capacity (flex) step when a more important request arrives",
+    )
+    redis_opts.add_argument(
         "--drain-grace-s",
         type=float,
         default=30.0,
@@ -327,6 +332,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         drain_grace_s=args.drain_grace_s,
         max_failovers=args.max_failovers,
         steal_after_ms=args.steal_after_ms,
+        step_interrupts=not args.no_step_interrupts,
     )
 
 

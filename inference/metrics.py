@@ -167,6 +167,12 @@ class EngineCollector(Collector):
                 "delay) since it started",
                 labels=["model", "replica"],
             ),
+            "interrupted": GaugeMetricFamily(
+                "pagoda_engine_replica_interrupted_steps",
+                "Spare-capacity (flex) steps a replica gave up between layers for a more important "
+                "request since it started",
+                labels=["model", "replica"],
+            ),
             "replica_hit": GaugeMetricFamily(
                 "pagoda_engine_replica_prefix_cache_hit_rate",
                 "A replica's prefix-cache hit rate",
@@ -201,6 +207,7 @@ class EngineCollector(Collector):
                     labels = [deployment.name, s.replica_id]
                     families["routed"].add_metric(labels, s.num_routed_requests)
                     families["stolen"].add_metric(labels, s.num_stolen_requests)
+                    families["interrupted"].add_metric(labels, s.num_interrupted_steps)
                     families["replica_hit"].add_metric(labels, s.prefix_cache_hit_rate)
         except Exception:  # a scrape must not fail because the database or Redis blinked
             logger.exception("could not collect engine gauges")

@@ -20,7 +20,7 @@ path (engine.models.llama.LlamaDecoderLayer).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -202,7 +202,10 @@ class DecodeLayers:
         slot_mapping: torch.Tensor,  # (rows,) int64
         block_tables: torch.Tensor,  # (rows, max_blocks) int32
         seq_lens: torch.Tensor,  # (rows,) int32, each including its new token
+        between: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # (rows, hidden): the last layer's MLP output, for the final norm to add
+        """`between`: called before every layer but the first (it may raise to give the step up:
+        engine.step_interrupt)."""
         rows = x.shape[0]
         if (
             not 0 < rows <= self.max_rows
@@ -248,6 +251,8 @@ class DecodeLayers:
         for i, ((ln1, ln2, qkv, qkv_bias, o, gate_up, down), (k_ptr, v_ptr)) in enumerate(
             zip(self._weights, self._cache_ptrs, strict=True)
         ):
+            if i and between is not None:
+                between()
             out_ptr = ptrs[i % 2]
             status = fn(
                 x_ptr, delta_ptr, out_ptr, rows, self.hidden, self.inter, ln1, ln2, self.eps,

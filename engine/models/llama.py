@@ -9,6 +9,7 @@ fused (q|k|v and gate|up) so each layer runs two large matmuls instead of five s
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
@@ -342,6 +343,9 @@ class LlamaForCausalLM(nn.Module):
         # Decode steps of up to cpu_decode_layer.max_rows() sequences on CPU in float32: each layer in
         # one C call (set by _use_fused where the model's layers are the plain kind it computes).
         self._decode_layers: cpu_decode_layer.DecodeLayers | None = None
+        # Called between decoder layers while set (engine.step_interrupt: a spare-capacity step may
+        # be given up there).
+        self.between_layers: Callable[[], None] | None = None
         self._decode_layers_linear: nn.Module | None = None  # the first layer's qkv_proj it read
         # Where the linears are LoRA's wrappers: their step, None while no row uses an adapter (the
         # one-call layers multiply by the base weights alone, so only such steps take them).
@@ -478,12 +482,18 @@ class LlamaForCausalLM(nn.Module):
         ):  # (the last: no LoRA wrapper has replaced the linears the kernel reads since)
             cos, sin_signed = tables[0]
             block_tables, seq_lens = _rows_as_decodes(metadata)
-            return self.model.norm(
-                x,
-                fast.forward(x, cos, sin_signed, kv_caches, metadata.slot_mapping, block_tables, seq_lens),
-            )
+            hidden = fast.forward(
+                x, cos, sin_signed, kv_caches, metadata.slot_mapping, block_tables, seq_lens,
+                between=self.between_layers,
+            )  # fmt: skip
+            return self.model.norm(x, hidden)
         delta = None
-        for layer, kv_cache, local in zip(self.model.layers, kv_caches, self._local_layers, strict=True):
+        between = self.between_layers
+        for i, (layer, kv_cache, local) in enumerate(
+            zip(self.model.layers, kv_caches, self._local_layers, strict=True)
+        ):
+            if i and between is not None:
+                between()
             cos, sin_signed = tables[1 if local else 0]
             delta = layer(x, delta, cos, sin_signed, kv_cache, metadata, self.backend)
         return self.model.norm(x, delta)

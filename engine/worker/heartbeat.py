@@ -59,6 +59,7 @@ class Heartbeat:
             spec_num_accepted_tokens=load.spec_num_accepted_tokens,
             num_routed_requests=self.queue.num_routed,
             num_stolen_requests=self.queue.num_stolen,
+            num_interrupted_steps=load.num_interrupted_steps,
             started_at=self.started_at,
             heartbeat_at=time.time(),
             draining=draining,

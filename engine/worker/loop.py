@@ -24,11 +24,13 @@ streamed continues it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
 from engine.outputs import RequestOutput
 from engine.protocol import ErrorCode, Event, ReplicaStats
+from engine.worker.arrivals import ArrivalWatch
 from engine.worker.drain import Drain
 from engine.worker.heartbeat import Heartbeat
 from engine.worker.intake import Intake
@@ -69,6 +71,14 @@ class EngineWorker:
         self.heartbeat = Heartbeat(engine, queue, settings)
         self.intake = Intake(self)
         self.drain = Drain(self)
+        # Set when a request more important than the spare-capacity tier reaches this replica's
+        # streams; its engine gives up a spare-capacity step then (engine.step_interrupt).
+        self.arrived: threading.Event | None = None
+        self.watch: ArrivalWatch | None = None
+        from engine.llm_engine import LLMEngine as Generating
+
+        if settings.step_interrupts and isinstance(engine, Generating):
+            self.arrived = engine.arrived = threading.Event()
 
     # --- control --------------------------------------------------------------------------------
 
@@ -98,6 +108,9 @@ class EngineWorker:
                     return EXIT_OK
         self.serving = True
         self.heartbeat.start()
+        if self.arrived is not None:
+            streams = [self.queue.own_stream, self.queue.stream]
+            self.watch = ArrivalWatch(self.queue.client, streams, self.arrived).start()
         now = time.monotonic()
         self._next_touch = now + self.settings.touch_interval_s
         self._next_reclaim = now
@@ -122,6 +135,8 @@ class EngineWorker:
                     return status
         finally:
             self.heartbeat.stop()
+            if self.watch is not None:
+                self.watch.stop()
             try:
                 self.flush()
             except CONNECTION_ERRORS:
@@ -155,6 +170,8 @@ class EngineWorker:
             self.intake.claim_orphans()
             self._next_orphan_check = now + self.settings.heartbeat_interval_s
         if not self._stopping:
+            if self.arrived is not None:
+                self.arrived.clear()  # what arrives from here on is read before the next step
             self.intake.read_new(block=not self.engine.has_unfinished_requests())
             if now >= self._next_steal:
                 self.intake.steal()

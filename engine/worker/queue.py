@@ -177,7 +177,7 @@ class RequestQueue:
                     raise
                 self.ensure_group()  # retired a moment ago (see above); read again next time
                 reply = None
-            entries = _entries(reply)
+            entries = entries_of(reply)
         self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
         return entries
 
@@ -210,7 +210,7 @@ class RequestQueue:
                 if not _no_group(exc):
                     raise
                 continue  # a stream retired meanwhile
-            entries.extend(_entries(reply))
+            entries.extend(entries_of(reply))
         return self._with_deliveries(entries)
 
     def autoclaim(self, min_idle_ms: int, count: int) -> list[Claimed]:
@@ -465,7 +465,7 @@ class RequestQueue:
     def read_cancels(self, count: int = 1000) -> list[str]:
         reply = self.client.xread({self.cancels: self._cancel_cursor}, count=count)
         ids: list[str] = []
-        for ref, fields in _entries(reply):
+        for ref, fields in entries_of(reply):
             self._cancel_cursor = ref.id
             request_id = cancel_request_id(fields)
             if request_id:
@@ -505,7 +505,7 @@ def model_request_streams(client: redis.Redis, prefix: str, model: str) -> list[
     return request_streams(prefix, model, client.smembers(routes_key(prefix, model)))
 
 
-def _entries(reply: Any) -> list[Entry]:
+def entries_of(reply: Any) -> list[Entry]:
     if not reply:
         return []
     # RESP2 replies: [[stream, [(id, fields), ...]], ...]; fields is None for an entry deleted while pending.

@@ -46,6 +46,9 @@ class WorkerSettings:
     # A draining replica (first SIGTERM) gives this long to the sequences it runs; then every request
     # it holds is handed back (one that streamed is continued by the replica taking it).
     drain_grace_s: float = 30.0
+    # A spare-capacity (flex) step is given up between layers when a more important request
+    # arrives (engine.step_interrupt, engine.worker.arrivals).
+    step_interrupts: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -222,6 +222,7 @@ async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(
     assert stats.num_routed_requests == 2
     assert f"pagoda_engine_replica_routed_requests{replica} 2.0" in text
     assert f"pagoda_engine_replica_stolen_requests{replica} 0.0" in text
+    assert f"pagoda_engine_replica_interrupted_steps{replica} 0.0" in text  # no flex request ran
     assert f"pagoda_engine_replica_prefix_cache_hit_rate{replica} {stats.prefix_cache_hit_rate!r}" in text
     assert "request_id" not in text
 
