@@ -138,6 +138,14 @@ class LLMEngine:
         self.arrived: threading.Event | None = None
         self.num_interrupted_steps = 0
 
+    def enable_step_interrupts(self) -> threading.Event:
+        """The event the replica's worker sets when a more important request arrives: from now on
+        a step of spare-capacity sequences alone is given up then (engine.step_interrupt), and
+        such steps no longer stay narrow for a lingering tenant (engine.step_width)."""
+        self.arrived = threading.Event()
+        self.scheduler.step_width.spare_steps_interruptible = True
+        return self.arrived
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)

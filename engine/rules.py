@@ -66,6 +66,8 @@ def max_seqs_per_request(engine_settings: dict[str, Any] | None) -> int:
 # request of a higher tier preempts running ones of a lower tier, and `flex` runs on spare capacity.
 SERVICE_TIER_PRIORITY = {"priority": 0, "default": 1, "flex": 2}
 SERVICE_TIERS = ("auto", *SERVICE_TIER_PRIORITY)
+# The tier that runs on spare capacity (`flex`, the batch lines).
+SPARE_CAPACITY_PRIORITY = SERVICE_TIER_PRIORITY["flex"]
 
 # --- LoRA adapters (PEFT format) --------------------------------------------------------------------
 

@@ -34,15 +34,11 @@ from engine.preemption import Preemption
 from engine.protocol import ErrorCode
 from engine.request_ends import RequestEnds
 from engine.request_queue import WaitingQueue
-from engine.rules import SERVICE_TIER_PRIORITY
+from engine.rules import SPARE_CAPACITY_PRIORITY
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import Speculator
 from engine.step_width import SharedStepWidth, StepShare
-
-# The tier that runs on spare capacity (`flex`, the batch lines): its decodes give way to a more
-# important tier's prefill steps (TierGate).
-SPARE_CAPACITY_PRIORITY = SERVICE_TIER_PRIORITY["flex"]
 
 # A sequence dropped unstarted (its queue deadline passed): its request ends with this error code.
 FINISH_QUEUE_TIMEOUT = ErrorCode.QUEUE_TIMEOUT

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from engine.scheduler import SPARE_CAPACITY_PRIORITY
+from engine.rules import SPARE_CAPACITY_PRIORITY
 from engine.scheduler_output import ScheduledSequence
 
 

@@ -16,7 +16,9 @@ vocabulary). A tenant's demand counts its decodes, and the prompt tokens it coul
 prompts being computed and those it has waiting, as many as there are free slots, up to a step's
 prompt budget (the tokens a start would compute: those the prefix cache does not already hold). A tenant present without demand (its
 sequences wait for a slot, or all finished less than LINGER_S ago: its client's next request is on
-its way) counts one row. While two or more tenants are present, a step carries at most
+its way) counts one row. Where a step would run spare-capacity (`flex`) sequences alone and
+such steps are given up when a more important request arrives (engine.step_interrupt), a lingering
+tenant does not count: its next request does not wait for the step. While two or more tenants are present, a step carries at most
 
     width = (slowdown - 1) * fixed_rows + slowdown * least
 
@@ -59,6 +61,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from engine.rules import SPARE_CAPACITY_PRIORITY
 from engine.sequence import Sequence
 
 K = TypeVar("K")
@@ -211,6 +214,7 @@ class SharedStepWidth:
         "prompt_logprob_rows",
         "prompt_token_rows",
         "slowdown",
+        "spare_steps_interruptible",
     )
 
     def __init__(
@@ -231,6 +235,9 @@ class SharedStepWidth:
         self.prompt_key_rows = prompt_key_rows  # None: not known, 0
         self.prompt_logprob_rows = prompt_logprob_rows  # None: not known, 0
         self._clock = clock
+        # Whether a step of spare-capacity sequences alone is given up when a more important
+        # request arrives (engine.step_interrupt; the replica's worker sets it).
+        self.spare_steps_interruptible = False
         # When each tenant last had unfinished sequences, and its most important tier then.
         self._seen: dict[str, tuple[float, int]] = {}
 
@@ -277,7 +284,12 @@ class SharedStepWidth:
         tiers: dict[str, int] = {}
         for seq in (*running, *startable):
             tiers[seq.tenant] = min(seq.priority, tiers.get(seq.tenant, seq.priority))
+        active = set(active)
         present = self._present(active, tiers)
+        if self.spare_steps_interruptible and tiers and min(tiers.values()) >= SPARE_CAPACITY_PRIORITY:
+            # Only spare-capacity sequences would run, and such a step is given up when a more
+            # important request arrives: a lingering tenant's next request needs no narrow step.
+            present = {t: tier for t, tier in present.items() if t in active}
         if len(present) < 2:
             return StepShare()
         top = min(present.values())

@@ -78,7 +78,7 @@ class EngineWorker:
         from engine.llm_engine import LLMEngine as Generating
 
         if settings.step_interrupts and isinstance(engine, Generating):
-            self.arrived = engine.arrived = threading.Event()
+            self.arrived = engine.enable_step_interrupts()
 
     # --- control --------------------------------------------------------------------------------
 

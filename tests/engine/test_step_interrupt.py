@@ -107,7 +107,7 @@ def test_a_given_up_step_keeps_nothing_the_tokens_are_those_of_an_engine_that_ne
     engine = _engine(tiny_llama_dir)
     if not one_call_layers:
         engine.runner.model._decode_layers = None  # the torch layers, checked between them too
-    engine.arrived = threading.Event()
+    engine.enable_step_interrupts()
     interrupted = _flex_run(engine, interrupt_every=3)
     # Every third step was given up after its first layer (its KV written for that layer, its
     # prompt chunk or decodes not taken): the same tokens, and no block left behind.
@@ -120,13 +120,13 @@ def test_a_given_up_step_keeps_nothing_the_tokens_are_those_of_an_engine_that_ne
 
 def test_a_step_with_a_more_important_sequence_in_it_is_never_given_up(tiny_llama_dir: Path):
     engine = _engine(tiny_llama_dir)
-    engine.arrived = threading.Event()
+    arrived = engine.enable_step_interrupts()
     tokens: dict[str, list[int]] = {}
     longer = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0)
     for i in range(3):
         engine.add_request(f"line-{i}", _prompt(i), longer, tenant="batch", priority=FLEX)
     engine.add_request("chat", _prompt(9), GREEDY, tenant="chat", priority=DEFAULT)
-    engine.arrived.set()
+    arrived.set()
     # The chat request runs until it ends: no step it is in is given up, though the event stays
     # set; the flex lines' steps after it are.
     while "chat" not in tokens:
@@ -137,7 +137,7 @@ def test_a_step_with_a_more_important_sequence_in_it_is_never_given_up(tiny_llam
     assert len(tokens["chat"]) == 10
     engine.step()
     assert engine.num_interrupted_steps == 1
-    engine.arrived.clear()
+    arrived.clear()
     _finish(engine, tokens)
     assert sorted(tokens) == ["chat", "line-0", "line-1", "line-2"]
 

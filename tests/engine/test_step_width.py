@@ -481,3 +481,27 @@ def test_the_spare_capacity_tier_is_bounded_by_the_more_important_tenants_alone_
         by_tenant[item.seq.tenant] += item.num_new_tokens
     # A more important prompt is computed in this step: the flex decodes sit it out.
     assert by_tenant == Counter({"chat": 2, "other": 12})
+
+
+@pytest.mark.parametrize("interruptible", [False, True], ids=["steps-kept", "steps-given-up"])
+def test_a_lingering_tenant_narrows_spare_capacity_steps_only_where_they_are_not_given_up_on_arrival(
+    interruptible: bool,
+):
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=1.0)
+    now = [100.0]
+    sched.step_width = SharedStepWidth(2.0, 4.0, 1.0, clock=lambda: now[0])
+    sched.step_width.spare_steps_interruptible = interruptible
+    _add(sched, "batch", 30, priority=FLEX)
+    _until_all_decode(sched)
+    (chat,) = _add(sched, "chat", 1, priority=DEFAULT)
+    _until_all_decode(sched)
+    sched.finish(chat, SequenceStatus.FINISHED_LENGTH, "length")
+    now[0] += LINGER_S / 2
+    # The chat tenant's next request is on its way. Where the batch's steps are given up when it
+    # arrives (engine.step_interrupt), they run whole meanwhile; else within width = 4 + 2 x 1 = 6
+    # rows, one of them the lingering tenant's.
+    assert _step(sched) == Counter({"batch": 30 if interruptible else 5})
+    # A more important tenant with sequences running narrows them either way.
+    _add(sched, "other", 1, priority=DEFAULT)
+    _until_all_decode(sched)
+    assert _step(sched)["batch"] < 30
