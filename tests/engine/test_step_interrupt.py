@@ -158,19 +158,22 @@ def test_an_entry_is_more_important_by_its_tier():
 
 
 def test_the_replica_watch_is_set_by_a_more_important_entry_in_either_of_its_streams_not_a_flex_one():
-    client = redis.Redis.from_url(REDIS_URL)
+    prefix = new_prefix()
+    # Named, so that the watch's own connection (from this client's pool) is known in CLIENT LIST.
+    name = prefix.replace(":", "-").rstrip("-")
+    client = redis.Redis.from_url(REDIS_URL, client_name=name)
     try:
         client.ping()
     except redis.ConnectionError:
         pytest.skip("Redis is not reachable")
-    prefix = new_prefix()
     shared, own = requests_stream(prefix, MODEL), replica_requests_stream(prefix, MODEL, "left")
     arrived = threading.Event()
     watch = ArrivalWatch(client, [own, shared], arrived).start()
     try:
         # The watch reads from entries added after it started: wait until its first read blocks.
         wait_until(
-            lambda: any(c.get("cmd") == "xread" for c in client.client_list()), what="the watch's read"
+            lambda: any(c.get("name") == name and c.get("cmd") == "xread" for c in client.client_list()),
+            what="the watch's read",
         )
         client.xadd(shared, _entry("line", FLEX))
         wait_until(lambda: watch.num_read == 1, what="the flex entry read")
