@@ -169,9 +169,11 @@ class EngineWorker:
         if not self._stopping and now >= self._next_orphan_check:
             self.intake.claim_orphans()
             self._next_orphan_check = now + self.settings.heartbeat_interval_s
+        if self.arrived is not None:
+            # What arrives from here on is read before the next step; a draining replica reads
+            # nothing new, so an arrival gives up at most the one step it came during.
+            self.arrived.clear()
         if not self._stopping:
-            if self.arrived is not None:
-                self.arrived.clear()  # what arrives from here on is read before the next step
             self.intake.read_new(block=not self.engine.has_unfinished_requests())
             if now >= self._next_steal:
                 self.intake.steal()

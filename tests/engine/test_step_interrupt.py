@@ -5,6 +5,7 @@ the replica's watch tells a more important entry from a flex one, against a real
 
 from __future__ import annotations
 
+import signal
 import threading
 from pathlib import Path
 
@@ -244,3 +245,34 @@ def test_a_replica_gives_up_batch_steps_for_interactive_arrivals_and_every_reque
     for i in range(6):
         events = wait_events(client, workers.prefix, f"line-{i}")
         assert streamed(events)[1] == expected[0][1]
+
+
+def test_a_draining_replica_finishes_its_batch_lines_though_interactive_requests_keep_arriving(
+    workers: Workers,
+):
+    """A draining replica reads nothing new: an interactive request queued meanwhile must not keep
+    giving up its flex steps (it would, with the event never cleared, until the grace period ran
+    out and the lines were handed back unfinished)."""
+    client = workers.client
+    proc = workers.start("draining", "--max-num-seqs", "8", "--drain-grace-s", "60")
+    workers.wait_ready("draining")
+    stream = requests_stream(workers.prefix, MODEL)
+
+    def send(request_id: str, priority: int, max_tokens: int) -> None:
+        params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+        request = GenerateRequest(
+            request_id=request_id, model=MODEL, prompt_token_ids=PROMPT, sampling_params=params,
+            tenant="batch" if priority == FLEX else "chat", priority=priority,
+        )  # fmt: skip
+        client.xadd(stream, request.encode())
+
+    for i in range(4):
+        send(f"line-{i}", FLEX, 300)
+    wait_events(client, workers.prefix, "line-0", until=lambda events: num_streamed_tokens(events) >= 3)
+    proc.send_signal(signal.SIGTERM)
+    send("chat-after-stop", DEFAULT, 4)
+    assert proc.wait(timeout=60) == 0, workers.log("draining")
+    for i in range(4):
+        events = events_of(client, workers.prefix, f"line-{i}")
+        assert events[-1].type == "finished" and num_streamed_tokens(events) == 300
+    assert events_of(client, workers.prefix, "chat-after-stop") == []  # left for another replica
