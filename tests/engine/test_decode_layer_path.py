@@ -26,9 +26,9 @@ def _run(model_dir, monkeypatch, enabled: bool):
     monkeypatch.setenv("PAGODA_CPU_DECODE_LAYER", "1" if enabled else "0")
     calls = []
 
-    def counted(self, x, *args):
+    def counted(self, x, *args, **kwargs):
         calls.append(x.shape[0])
-        return _FORWARD(self, x, *args)
+        return _FORWARD(self, x, *args, **kwargs)
 
     monkeypatch.setattr(cpu_decode_layer.DecodeLayers, "forward", counted)
     llm = LLM(str(model_dir), num_blocks=128, max_num_seqs=16)
@@ -123,9 +123,9 @@ def test_an_engine_that_serves_adapters_runs_steps_without_them_as_one_call(
     (the base weights), a step with one keeps the layer path; tokens are the layer path's."""
     rows: list[int] = []
 
-    def counted(self, x, *args):
+    def counted(self, x, *args, **kwargs):
         rows.append(x.shape[0])
-        return _FORWARD(self, x, *args)
+        return _FORWARD(self, x, *args, **kwargs)
 
     monkeypatch.setattr(cpu_decode_layer.DecodeLayers, "forward", counted)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -24,9 +24,9 @@ def record_steps(engine) -> list[set[int]]:
     runner = engine.runner
     original = runner.run
 
-    def run(scheduler_output, profile=None):
+    def run(scheduler_output, profile=None, between_layers=None):
         steps.append({item.seq.lora_id for item in scheduler_output.scheduled})
-        return original(scheduler_output, profile)
+        return original(scheduler_output, profile, between_layers)
 
     runner.run = run
     return steps
