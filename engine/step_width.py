@@ -324,10 +324,10 @@ class SharedStepWidth:
             demand[key] = demand.get(key, 0.0) + (cost if priced else 1.0)
         # Present without demand (waiting for a slot or a grammar, or lingering): one row, in the
         # tier it was last seen with.
+        with_demand = {tenant for tenant, _ in demand}
         for tenant, tier in present.items():
-            key = (tenant, tier > top)
-            if key not in demand and not any(g[0] == tenant for g in demand):
-                demand[key] = 1.0
+            if tenant not in with_demand:
+                demand[(tenant, tier > top)] = 1.0
         leading = {g: d for g, d in demand.items() if not g[1]}
         spare_tier = {g: d for g, d in demand.items() if g[1]}
         least = min((leading or demand).values())

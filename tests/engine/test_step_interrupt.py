@@ -143,10 +143,13 @@ def test_a_step_with_a_more_important_sequence_in_it_is_never_given_up(tiny_llam
     assert sorted(tokens) == ["chat", "line-0", "line-1", "line-2"]
 
 
-def _entry(request_id: str, priority: int) -> dict:
+def _entry(request_id: str, priority: int, max_tokens: int = 16) -> dict:
+    """A request entry as the web tier queues it: greedy, EOS ignored, a batch line's tenant for
+    the flex tier and a chat tenant's otherwise."""
+    params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
     return GenerateRequest(
-        request_id=request_id, model=MODEL, prompt_token_ids=PROMPT, sampling_params={}, tenant="t",
-        priority=priority,
+        request_id=request_id, model=MODEL, prompt_token_ids=PROMPT, sampling_params=params,
+        tenant="batch" if priority == FLEX else "chat", priority=priority,
     ).encode()  # fmt: skip
 
 
@@ -213,12 +216,7 @@ def test_a_replica_gives_up_batch_steps_for_interactive_arrivals_and_every_reque
     stream = requests_stream(workers.prefix, MODEL)
 
     def send(request_id: str, priority: int, max_tokens: int) -> None:
-        params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
-        request = GenerateRequest(
-            request_id=request_id, model=MODEL, prompt_token_ids=PROMPT, sampling_params=params,
-            tenant="batch" if priority == FLEX else "chat", priority=priority,
-        )  # fmt: skip
-        client.xadd(stream, request.encode())
+        client.xadd(stream, _entry(request_id, priority, max_tokens))
 
     for i in range(6):
         send(f"line-{i}", FLEX, 400)
@@ -259,12 +257,7 @@ def test_a_draining_replica_finishes_its_batch_lines_though_interactive_requests
     stream = requests_stream(workers.prefix, MODEL)
 
     def send(request_id: str, priority: int, max_tokens: int) -> None:
-        params = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
-        request = GenerateRequest(
-            request_id=request_id, model=MODEL, prompt_token_ids=PROMPT, sampling_params=params,
-            tenant="batch" if priority == FLEX else "chat", priority=priority,
-        )  # fmt: skip
-        client.xadd(stream, request.encode())
+        client.xadd(stream, _entry(request_id, priority, max_tokens))
 
     for i in range(4):
         send(f"line-{i}", FLEX, 300)
