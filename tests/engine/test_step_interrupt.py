@@ -263,6 +263,14 @@ def test_a_draining_replica_finishes_its_batch_lines_though_interactive_requests
         send(f"line-{i}", FLEX, 300)
     wait_events(client, workers.prefix, "line-0", until=lambda events: num_streamed_tokens(events) >= 3)
     proc.send_signal(signal.SIGTERM)
+
+    def draining() -> bool:
+        stats = stats_of(client, workers.prefix, "draining")
+        return stats is not None and stats.draining
+
+    # A read already under way when the signal lands may still bring in what is queued meanwhile;
+    # from the heartbeat that says so, the replica reads nothing new.
+    wait_until(draining, timeout=60, what="the heartbeat to say the replica drains")
     send("chat-after-stop", DEFAULT, 4)
     assert proc.wait(timeout=60) == 0, workers.log("draining")
     for i in range(4):
