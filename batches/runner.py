@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from django.conf import settings
+from django.db import connections
 from django.utils import timezone
 
 from batches.lines import check_body, line_run
@@ -24,6 +25,8 @@ from batches.services import batch_finalize, batch_line_finish, batch_validate
 from core.concurrency import blocking
 from core.errors import AuthenticationError
 from core.redis_client import get_async_redis, rkey
+from inference.selectors import deployment_list_enabled
+from inference.tokenization import tokenizers_load
 from tenants.services import api_key_context
 
 logger = logging.getLogger(__name__)
@@ -178,6 +181,22 @@ async def _line(auth: Any, batch: Batch, row: BatchRequest, window_s: float) -> 
         logger.exception("batch %s line %d failed to run; it will be tried again", batch.id, row.index)
         return True
     return False
+
+
+def runner_warm() -> None:
+    """Load the tokenizers of the enabled models (a worker on the `batches` queue does, once it is
+    ready): a batch's first lines would otherwise wait seconds for them, beside a busy replica
+    whose runner has little CPU to spare. Logs what it did; a failure leaves it to the lines."""
+    started = time.monotonic()
+    try:
+        paths = [d.model_path for d in deployment_list_enabled()]
+        loaded = tokenizers_load(paths)
+    except Exception:  # the database away: the lines load what they need
+        logger.exception("batch runner warm-up failed")
+        return
+    finally:
+        connections.close_all()  # this thread's
+    logger.info("batch runner warm: %d tokenizers loaded in %.1f s", loaded, time.monotonic() - started)
 
 
 def tenants_to_resume() -> list[int]:

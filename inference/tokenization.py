@@ -41,6 +41,20 @@ def get_tokenizer(model_path: str) -> Any:
             ) from exc
 
 
+def tokenizers_load(model_paths: list[str]) -> int:
+    """Load these models' tokenizers now, so that no request of this process pays for the first
+    load (transformers' import and the tokenizer files: seconds of CPU). Returns how many loaded; a
+    tokenizer that cannot be loaded is logged, and its requests get the error when they come."""
+    loaded = 0
+    for model_path in dict.fromkeys(model_paths):
+        try:
+            get_tokenizer(model_path)
+        except ServiceUnavailableError:
+            continue
+        loaded += 1
+    return loaded
+
+
 def chat_prompt_ids(
     model_path: str,
     messages: list[dict[str, Any]],

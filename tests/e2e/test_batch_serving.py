@@ -186,6 +186,15 @@ def test_a_batch_answers_as_interactive_requests_do_with_bad_lines_in_the_error_
     assert batch.id in [b.id for b in client.batches.list(limit=5).data]
 
 
+def test_the_batches_worker_loaded_the_models_tokenizer_once_ready(platform: Platform) -> None:
+    log = platform.log_dir / "worker-1.log"
+    wait_until(
+        lambda: "batch runner warm: 1 tokenizers loaded" in log.read_text(errors="replace"),
+        timeout=120,
+        what="the worker's warm-up",
+    )
+
+
 def test_another_tenants_files_and_batches_are_not_found(platform: Platform) -> None:
     file_id = _upload(platform.client, [_chat_line("a", "hi")])
     batch = platform.client.batches.create(
