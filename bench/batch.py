@@ -7,14 +7,20 @@ ids, so both sides ask the same work of the engine) and --max-tokens output toke
 ignored. The interactive tenant runs --clients closed-loop streaming clients with --think-s of pause
 between requests (a load that leaves capacity spare). Phases, one after the other:
 
-  capacity     the same requests from --saturate clients at once, no pause: what the engine turns
-               out when it is busy (output tok/s).
-  alone        the interactive load alone for --duration-s: its p90 TTFT and output tok/s.
-  with_batch   the batch created, the same interactive load until the batch ends: the interactive
-               p90 TTFT and output tok/s again, and the batch's completion time and output tok/s.
+  capacity        the same requests from --saturate clients at once, no pause: what the engine
+                  turns out when it is busy (output tok/s).
+  alone           the interactive load alone for --duration-s: its p90 TTFT and output tok/s.
+  with_batch      the batch created, the same interactive load until the batch ends: the
+                  interactive p90 TTFT and output tok/s again, and the batch's completion time and
+                  output tok/s.
+  alone_again     the interactive load alone once more,
+  capacity_again  and the engine saturated once more: the machine's drift over the run.
 
-The batch's share of spare capacity is its output tok/s over (capacity - interactive output tok/s
-during the batch). Targets: interactive p90 TTFT within 1.2x of alone; batch share >= 0.8.
+The baselines are those of both sides of the batch: the alone p90 TTFT is that of the two alone
+phases' requests together, and the capacity the mean of the two capacity phases (on a shared
+machine either moves by a tenth or more over a few minutes). The batch's share of spare capacity
+is its output tok/s over (capacity - interactive output tok/s during the batch). Targets:
+interactive p90 TTFT within 1.2x of alone; batch share >= 0.8.
 
     .venv/bin/python bench/batch.py                      # the bench random-weight model
     .venv/bin/python bench/batch.py --model smollm2      # SmolLM2-135M
@@ -117,7 +123,10 @@ class InteractiveLoad:
         }
 
 
-def _phase(client, model, prompts, args, *, clients: int, think_s: float, until) -> dict[str, float]:
+def _phase(
+    client, model, prompts, args, *, clients: int, think_s: float, until
+) -> tuple[dict[str, float], list[float]]:
+    """The phase's figures, and its requests' TTFTs (seconds)."""
     load = InteractiveLoad(client, model, prompts, args.max_tokens, think_s)
     started = time.perf_counter()
     threads = load.run(clients)
@@ -133,7 +142,27 @@ def _phase(client, model, prompts, args, *, clients: int, think_s: float, until)
         log(f"{len(load.errors)} interactive errors, first: {load.errors[0]}")
     figures = load.figures(since, end)
     figures["seconds"] = round(end - started, 1)
-    return figures
+    return figures, list(load.ttfts)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of a live process so far (Linux /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
+
+
+def _both_sides(before: dict[str, float], after: dict[str, float], ttfts: list[float]) -> dict[str, float]:
+    """A baseline from the phases on both sides of the batch: TTFT percentiles over all their
+    requests, output tok/s their mean."""
+    return {
+        "p90_ttft_ms": round(1000 * percentile(ttfts, 90), 1) if ttfts else 0.0,
+        "p50_ttft_ms": round(1000 * percentile(ttfts, 50), 1) if ttfts else 0.0,
+        "output_tok_s": round((before["output_tok_s"] + after["output_tok_s"]) / 2, 1),
+        "requests": len(ttfts),
+    }
 
 
 def main() -> None:
@@ -146,10 +175,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--clients", type=int, default=2, help="interactive streaming clients")
     parser.add_argument("--think-s", type=float, default=0.5)
-    parser.add_argument("--saturate", type=int, default=24, help="clients of the capacity phase")
+    parser.add_argument(
+        "--saturate", type=int, default=32, help="clients of the capacity phase (the replica's max_num_seqs)"
+    )
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--in-flight", type=int, default=16, help="PAGODA_BATCH_MAX_IN_FLIGHT")
+    parser.add_argument(
+        "--runner-nice", type=int, default=10, help="nice value of the batch runner (scripts/up.sh: 10)"
+    )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=32,
+        help="PAGODA_BATCH_MAX_IN_FLIGHT (the batch may fill the replica)",
+    )
     add_engine_setting_option(parser, help="a deployment engine_settings entry (JSON value), repeatable")
     args = parser.parse_args()
 
@@ -189,9 +228,16 @@ def main() -> None:
                 # The runner is background work, as scripts/up.sh runs it: at a lower CPU priority
                 # than the engine and the web process on a machine they share.
                 stack.processes[name] = subprocess.Popen(
-                    ["nice", "-n", "10", sys.executable, "-m", "celery", "-A", "config", *argv], cwd=ROOT,
+                    ["nice", "-n", str(args.runner_nice), sys.executable, "-m", "celery", "-A", "config", *argv], cwd=ROOT,
                     env=env, stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
+        # The runner loads the model's tokenizer once it is ready (batches.runner.runner_warm): the
+        # phases start after it, so that the load takes nothing from the capacity measured.
+        deadline = time.monotonic() + 300
+        while "batch runner warm:" not in stack.log_path("celery-batches").read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the batch runner did not warm up within 300 s")
+            time.sleep(0.5)
         rng = random.Random(0)
         source = PromptSource(model_dir, rng, real_text=args.model == "smollm2")
         prompts = [source.take(args.prompt_tokens) for _ in range(64)]
@@ -203,18 +249,25 @@ def main() -> None:
         # Warm-up: the first requests of a fresh engine pay for its first step shapes.
         for prompt in prompts[:4]:
             interactive.completions.create(**_sdk_kwargs(_body(stack.model, prompt, args.max_tokens)))
+
+        def saturated() -> tuple[dict[str, float], list[float]]:
+            return _phase(
+                interactive, stack.model, prompts, args, clients=args.saturate, think_s=0.0,
+                until=lambda: time.sleep(args.duration_s),
+            )  # fmt: skip
+
+        def alone() -> tuple[dict[str, float], list[float]]:
+            return _phase(
+                interactive, stack.model, prompts, args, clients=args.clients, think_s=args.think_s,
+                until=lambda: time.sleep(args.duration_s),
+            )  # fmt: skip
+
         log("capacity: the engine saturated")
-        figures["capacity"] = _phase(
-            interactive, stack.model, prompts, args, clients=args.saturate, think_s=0.0,
-            until=lambda: time.sleep(args.duration_s),
-        )  # fmt: skip
-        log(f"capacity: {figures['capacity']}")
+        figures["capacity_before"], _ = saturated()
+        log(f"capacity: {figures['capacity_before']}")
         log("alone: the interactive load")
-        figures["alone"] = _phase(
-            interactive, stack.model, prompts, args, clients=args.clients, think_s=args.think_s,
-            until=lambda: time.sleep(args.duration_s),
-        )  # fmt: skip
-        log(f"alone: {figures['alone']}")
+        figures["alone_before"], alone_ttfts = alone()
+        log(f"alone: {figures['alone_before']}")
 
         lines = [
             json.dumps(
@@ -246,10 +299,24 @@ def main() -> None:
             batch_info.update(batch=batch, seconds=time.perf_counter() - started)
 
         log("with_batch: the interactive load beside the batch")
-        figures["with_batch"] = _phase(
+        figures["with_batch"], _ = _phase(
             interactive, stack.model, prompts, args, clients=args.clients, think_s=args.think_s,
             until=until_batch_done,
         )  # fmt: skip
+        log(f"with_batch: {figures['with_batch']}")
+        log("alone_again: the interactive load alone once more")
+        figures["alone_after"], ttfts = alone()
+        log(f"alone_again: {figures['alone_after']}")
+        log("capacity_again: the engine saturated once more")
+        figures["capacity_after"], _ = saturated()
+        log(f"capacity_again: {figures['capacity_after']}")
+        figures["alone"] = _both_sides(figures["alone_before"], figures["alone_after"], alone_ttfts + ttfts)
+        figures["capacity"] = {
+            "output_tok_s": round(
+                (figures["capacity_before"]["output_tok_s"] + figures["capacity_after"]["output_tok_s"]) / 2,
+                1,
+            )
+        }
         batch = batch_info["batch"]
         from tenants.models import UsageRecord
 
@@ -279,6 +346,8 @@ def main() -> None:
         figures["interrupted_steps"] = sum(
             r.num_interrupted_steps for r in deployment_replicas(name=stack.model)
         )
+        # CPU seconds each process used over the whole run (the runner shares the cores).
+        figures["cpu_s"] = {name: _cpu_seconds(proc.pid) for name, proc in stack.processes.items()}
         figures["p90_ttft_ratio"] = round(
             figures["with_batch"]["p90_ttft_ms"] / figures["alone"]["p90_ttft_ms"], 3
         )
