@@ -250,24 +250,21 @@ def main() -> None:
         for prompt in prompts[:4]:
             interactive.completions.create(**_sdk_kwargs(_body(stack.model, prompt, args.max_tokens)))
 
-        def saturated() -> tuple[dict[str, float], list[float]]:
-            return _phase(
-                interactive, stack.model, prompts, args, clients=args.saturate, think_s=0.0,
-                until=lambda: time.sleep(args.duration_s),
+        def phase(key: str, what: str, *, saturate: bool = False, until=None) -> list[float]:
+            """Run a phase (the engine saturated, or the interactive load until `until` returns,
+            by default for --duration-s), log it and keep its figures under `key`; its TTFTs."""
+            log(f"{key}: {what}")
+            figures[key], ttfts = _phase(
+                interactive, stack.model, prompts, args,
+                clients=args.saturate if saturate else args.clients,
+                think_s=0.0 if saturate else args.think_s,
+                until=until or (lambda: time.sleep(args.duration_s)),
             )  # fmt: skip
+            log(f"{key}: {figures[key]}")
+            return ttfts
 
-        def alone() -> tuple[dict[str, float], list[float]]:
-            return _phase(
-                interactive, stack.model, prompts, args, clients=args.clients, think_s=args.think_s,
-                until=lambda: time.sleep(args.duration_s),
-            )  # fmt: skip
-
-        log("capacity: the engine saturated")
-        figures["capacity_before"], _ = saturated()
-        log(f"capacity: {figures['capacity_before']}")
-        log("alone: the interactive load")
-        figures["alone_before"], alone_ttfts = alone()
-        log(f"alone: {figures['alone_before']}")
+        phase("capacity_before", "the engine saturated", saturate=True)
+        alone_ttfts = phase("alone_before", "the interactive load")
 
         lines = [
             json.dumps(
@@ -298,19 +295,10 @@ def main() -> None:
                     log(f"batch: {batch.status}, {last} / {batch.request_counts.total}")
             batch_info.update(batch=batch, seconds=time.perf_counter() - started)
 
-        log("with_batch: the interactive load beside the batch")
-        figures["with_batch"], _ = _phase(
-            interactive, stack.model, prompts, args, clients=args.clients, think_s=args.think_s,
-            until=until_batch_done,
-        )  # fmt: skip
-        log(f"with_batch: {figures['with_batch']}")
-        log("alone_again: the interactive load alone once more")
-        figures["alone_after"], ttfts = alone()
-        log(f"alone_again: {figures['alone_after']}")
-        log("capacity_again: the engine saturated once more")
-        figures["capacity_after"], _ = saturated()
-        log(f"capacity_again: {figures['capacity_after']}")
-        figures["alone"] = _both_sides(figures["alone_before"], figures["alone_after"], alone_ttfts + ttfts)
+        phase("with_batch", "the interactive load beside the batch", until=until_batch_done)
+        alone_ttfts += phase("alone_after", "the interactive load alone once more")
+        phase("capacity_after", "the engine saturated once more", saturate=True)
+        figures["alone"] = _both_sides(figures["alone_before"], figures["alone_after"], alone_ttfts)
         figures["capacity"] = {
             "output_tok_s": round(
                 (figures["capacity_before"]["output_tok_s"] + figures["capacity_after"]["output_tok_s"]) / 2,
