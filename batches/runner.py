@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 from django.conf import settings
-from django.db import connections
 from django.utils import timezone
 
 from batches.lines import check_body, line_run
@@ -25,8 +24,7 @@ from batches.services import batch_finalize, batch_line_finish, batch_validate
 from core.concurrency import blocking
 from core.errors import AuthenticationError
 from core.redis_client import get_async_redis, rkey
-from inference.selectors import deployment_list_enabled
-from inference.tokenization import tokenizers_load
+from inference.services.warm import models_warm
 from tenants.services import api_key_context
 
 logger = logging.getLogger(__name__)
@@ -189,13 +187,10 @@ def runner_warm() -> None:
     whose runner has little CPU to spare. Logs what it did; a failure leaves it to the lines."""
     started = time.monotonic()
     try:
-        paths = [d.model_path for d in deployment_list_enabled()]
-        loaded = tokenizers_load(paths)
+        loaded = models_warm()
     except Exception:  # the database away: the lines load what they need
         logger.exception("batch runner warm-up failed")
         return
-    finally:
-        connections.close_all()  # this thread's
     logger.info("batch runner warm: %d tokenizers loaded in %.1f s", loaded, time.monotonic() - started)
 
 

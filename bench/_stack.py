@@ -181,6 +181,8 @@ class BenchStack:
                 return False
         except (urllib.error.URLError, OSError, ValueError):
             return False
+        if body.get("checks", {}).get("web") != "ok":  # draining, or still warming up
+            return False
         entry = body.get("models", {}).get(self.model, {})
         wanted = replicas or sum(name.startswith("engine") for name in self.processes)
         return bool(entry.get("ready")) and len(entry.get("replicas", [])) >= wanted

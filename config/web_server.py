@@ -229,8 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     application = guarantee_single_callable(import_by_path(args.application))
     # This process owns the requests it admits, and settles those that a dead one left behind.
     from inference.services.settler import settler_start
+    from inference.services.warm import web_warm_start
 
     settler_start()
+    # /ready says not ready until the models' tokenizers are loaded: the first requests would wait.
+    web_warm_start()
     server = DrainingServer(
         application,
         drain_grace_s=grace,

@@ -1,9 +1,9 @@
 """Liveness, readiness and Prometheus metrics endpoints.
 
 /live (and its older name /health): the process is up. /ready: it can serve new requests: not
-draining (core.draining), the database and Redis answer, and every enabled model has a ready
-engine replica (live and not draining); /ready?scope=web leaves the engines out. A draining
-process is live and not ready.
+draining (core.draining) nor warming up (core.warming), the database and Redis answer, and every
+enabled model has a ready engine replica (live and not draining); /ready?scope=web leaves the
+engines out. A draining or warming process is live and not ready.
 
 /live and /ready answer anyone (load balancers and orchestrators probe them); anonymously /ready
 says only whether this process can serve. The details (which check failed and why, every model
@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.draining import is_draining
 from core.redis_client import get_redis
+from core.warming import is_warming
 
 
 @require_GET
@@ -32,6 +33,14 @@ def live(request):
 
 # A probe answers within seconds: a database that takes longer to accept a connection is down.
 DATABASE_PROBE_TIMEOUT_S = 2
+
+
+def _check_web() -> str | None:
+    if is_draining():
+        return "draining: this process is shutting down and takes no new connections"
+    if is_warming():
+        return "warming: this process is loading the models' tokenizers"
+    return None
 
 
 def _check_database() -> str | None:
@@ -151,9 +160,7 @@ def ready(request):
             status=400,
         )
     checks = {
-        "web": "draining: this process is shutting down and takes no new connections"
-        if is_draining()
-        else None,
+        "web": _check_web(),
         "database": _check_database(),
         "redis": _check_redis(),
     }
