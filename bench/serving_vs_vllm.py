@@ -27,11 +27,19 @@ slow cohorts, 1.15-1.31x vLLM's in every round measured, while 128 gave 0.92-1.0
 2-core CPU and a 135M model with prompts that are not in the prefix cache: a first token within
 5 s and at most 200 ms between tokens).
 
+With --cold, every (round, profile) starts each server afresh, one server at a time (the other is
+not running), and sends the profile's first requests the moment the server reports ready (Pagoda's
+/ready, vLLM's /health), with no warm-up: what users see after a deploy or a scale-up. The figures
+then add the first wave's time to first token (the profile's first `concurrency` requests, all
+sent at once) and the server's start-up time.
+
     .venv/bin/python bench/serving_vs_vllm.py --vllm-python ~/.cache/pagoda/vllm-venv/bin/python
     .venv/bin/python bench/serving_vs_vllm.py --skip-vllm --concurrency 8
+    .venv/bin/python bench/serving_vs_vllm.py --cold --rounds 1
 
 Prints progress on stderr and a final JSON line on stdout with `output_tok_s_ratio` and
-`itl_p50_ratio` (Pagoda over vLLM) at each concurrency and each side's figures.
+`itl_p50_ratio` (Pagoda over vLLM) at each concurrency and each side's figures; with --cold also
+`first_wave_ttft_p95_ratio`.
 """
 
 from __future__ import annotations
@@ -222,6 +230,7 @@ def run_guidellm(
         )
     data = json.loads(report.read_text())
     out = figures(data, label=label)
+    out["first_wave_ttft_ms"] = first_wave(data, concurrency)
     log(
         f"{label} cohorts (first token at s: requests x mean ITL ms): "
         + ", ".join(f"{c['first_token_s']}: {c['requests']} x {c['itl_mean_ms']}" for c in cohorts(data))
@@ -259,6 +268,34 @@ def figures(report: dict[str, Any], *, label: str) -> dict[str, Any]:
     goodput = (metrics.get("request_goodput") or {}).get("successful") or {}
     out["goodput_requests_per_s"] = round(float(goodput.get("mean") or 0.0), 3)
     return out
+
+
+def first_wave(report: dict[str, Any], size: int) -> dict[str, float]:
+    """Time to first token of the profile's first `size` requests (by when each was sent: a
+    `concurrent` profile sends its first wave at once): p50, p95 and the slowest, in ms."""
+    requests = report["benchmarks"][-1]["requests"]["successful"]
+    firsts = sorted(
+        (r["info"]["timings"]["request_start"], r["info"]["timings"]["first_token_iteration"])
+        for r in requests
+        if r["info"]["timings"].get("first_token_iteration") is not None
+    )[:size]
+    ttfts = sorted((first - start) * 1000 for start, first in firsts)
+    if not ttfts:
+        return {}
+    return {
+        "requests": len(ttfts),
+        "p50": round(_percentile(ttfts, 0.50), 1),
+        "p95": round(_percentile(ttfts, 0.95), 1),
+        "max": round(ttfts[-1], 1),
+    }
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def cohorts(report: dict[str, Any], gap_s: float = 0.05) -> list[dict[str, float]]:
@@ -330,6 +367,135 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
+def pagoda_pids(stack: BenchStack) -> dict[str, int]:
+    """The stack's processes and the Redis server it uses."""
+    from core.redis_client import get_redis
+
+    pids = {name: proc.pid for name, proc in stack.processes.items()}
+    pids["redis"] = int(get_redis().info("server")["process_id"])
+    return pids
+
+
+def vllm_pids(vllm: VllmServer) -> dict[str, int]:
+    """The API server (tokenization, chat template, HTTP, detokenization) and the engine core
+    process(es) under it."""
+    pids = {"api_server": -vllm.proc.pid}
+    for child in process_tree(vllm.proc.pid)[1:]:
+        with contextlib.suppress(OSError):
+            pids[f"{Path(f'/proc/{child}/comm').read_text().strip()}:{child}"] = -child
+    return pids
+
+
+def measure_warm(
+    args: argparse.Namespace,
+    levels: list[int],
+    model_dir: Path,
+    stack: BenchStack,
+    out_dir: Path,
+    runs: dict[str, dict[int, list[dict[str, Any]]]],
+) -> None:
+    """Both servers started once, warmed up and kept up; every profile measured on each in turn."""
+    vllm: VllmServer | None = None
+    try:
+        if not args.skip_vllm:
+            log("starting vllm serve (about 90 s)")
+            vllm = VllmServer(args, model_dir, stack.model, out_dir)
+        log(f"starting daphne and one engine replica ({stack.work_dir})")
+        stack.start(threads=args.threads)
+        warm_up(stack.base_url, stack.model, stack.api_key)
+        if vllm is not None:
+            vllm.wait_ready(timeout_s=600)
+            warm_up(vllm.base_url, vllm.name, vllm.api_key)
+        log("both servers ready" if vllm else "stack ready")
+        sides = [("pagoda", stack.base_url, stack.model, stack.api_key, pagoda_pids(stack))]
+        if vllm is not None:
+            sides.append(("vllm", vllm.base_url, vllm.name, vllm.api_key, vllm_pids(vllm)))
+        for round_ in range(args.rounds):
+            for i, level in enumerate(levels):
+                requests = max(args.requests, 4 * level)
+                # Taken in turn, the first server flipped every time: a slow spell of this shared
+                # machine falls on both alike.
+                for name, target, model, key, pids in sides if (round_ + i) % 2 == 0 else sides[::-1]:
+                    log(f"{name}: round {round_ + 1}, concurrency {level}, {requests} requests")
+                    runs[name][level].append(
+                        run_guidellm(
+                            target=target,
+                            model=model,
+                            api_key=key,
+                            tokenizer_dir=model_dir,
+                            concurrency=level,
+                            requests=requests,
+                            args=args,
+                            out_dir=out_dir,
+                            label=f"{name}-r{round_}-c{level}",
+                            pids=pids,
+                            seed=args.seed + 1000 * round_ + level,
+                        )
+                    )
+    finally:
+        if vllm is not None:
+            vllm.stop()
+        stack.stop()
+
+
+def measure_cold(
+    args: argparse.Namespace,
+    levels: list[int],
+    model_dir: Path,
+    stack: BenchStack,
+    out_dir: Path,
+    runs: dict[str, dict[int, list[dict[str, Any]]]],
+) -> None:
+    """Every (round, profile) on a server started for it alone, with no warm-up: the profile's
+    first wave goes to a server that has just said it is ready. One server runs at a time."""
+    names = ["pagoda"] if args.skip_vllm else ["pagoda", "vllm"]
+    for round_ in range(args.rounds):
+        for i, level in enumerate(levels):
+            requests = max(args.requests, 4 * level)
+            for name in names if (round_ + i) % 2 == 0 else names[::-1]:
+                label = f"{name}-cold-r{round_}-c{level}"
+                log(
+                    f"{name}: round {round_ + 1}, concurrency {level}, {requests} requests, from a cold start"
+                )
+                started = time.monotonic()
+                vllm: VllmServer | None = None
+                try:
+                    if name == "pagoda":
+                        # A replica id of its own: nothing of the last start's replica is seen.
+                        stack.start(threads=args.threads, replicas=(f"cold-r{round_}-c{level}",))
+                        target, model, key, pids = (
+                            stack.base_url,
+                            stack.model,
+                            stack.api_key,
+                            pagoda_pids(stack),
+                        )
+                    else:
+                        vllm = VllmServer(args, model_dir, stack.model, out_dir)
+                        vllm.wait_ready(timeout_s=600)
+                        target, model, key, pids = vllm.base_url, vllm.name, vllm.api_key, vllm_pids(vllm)
+                    startup_s = round(time.monotonic() - started, 1)
+                    log(f"{name} ready {startup_s} s after its start")
+                    figures = run_guidellm(
+                        target=target,
+                        model=model,
+                        api_key=key,
+                        tokenizer_dir=model_dir,
+                        concurrency=level,
+                        requests=requests,
+                        args=args,
+                        out_dir=out_dir,
+                        label=label,
+                        pids=pids,
+                        seed=args.seed + 1000 * round_ + level,
+                    )
+                finally:
+                    if vllm is not None:
+                        vllm.stop()
+                    stack.stop()
+                figures["startup_s"] = startup_s
+                runs[name][level].append(figures)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -357,6 +523,11 @@ def main() -> None:
         help="measurements of every profile per server (even: balanced order)",
     )
     parser.add_argument("--profile-timeout-s", type=float, default=900.0)
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="start each server afresh for every profile, with no warm-up, and report its first wave",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     model_dir = args.model_dir or real_model_dir()
@@ -374,60 +545,16 @@ def main() -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
     )
-    vllm: VllmServer | None = None
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {
         "pagoda": {level: [] for level in levels},
         "vllm": {level: [] for level in levels},
     }
     try:
-        if not args.skip_vllm:
-            log("starting vllm serve (about 90 s)")
-            vllm = VllmServer(args, model_dir, stack.model, out_dir)
-        log(f"starting daphne and one engine replica ({stack.work_dir})")
-        stack.start(threads=args.threads)
-        warm_up(stack.base_url, stack.model, stack.api_key)
-        if vllm is not None:
-            vllm.wait_ready(timeout_s=600)
-            warm_up(vllm.base_url, vllm.name, vllm.api_key)
-        log("both servers ready" if vllm else "stack ready")
-        from core.redis_client import get_redis
-
-        pagoda_pids = {name: proc.pid for name, proc in stack.processes.items()}
-        pagoda_pids["redis"] = int(get_redis().info("server")["process_id"])
-        sides = [("pagoda", stack.base_url, stack.model, stack.api_key, pagoda_pids)]
-        if vllm is not None:
-            # The API server (tokenization, chat template, HTTP, detokenization) and the engine core
-            # process(es) under it.
-            vllm_pids = {"api_server": -vllm.proc.pid}
-            for child in process_tree(vllm.proc.pid)[1:]:
-                with contextlib.suppress(OSError):
-                    vllm_pids[f"{Path(f'/proc/{child}/comm').read_text().strip()}:{child}"] = -child
-            sides.append(("vllm", vllm.base_url, vllm.name, vllm.api_key, vllm_pids))
-        for round_ in range(args.rounds):
-            for i, level in enumerate(levels):
-                requests = max(args.requests, 4 * level)
-                # Taken in turn, the first server flipped every time: a slow spell of this shared
-                # machine falls on both alike.
-                for name, target, model, key, pids in sides if (round_ + i) % 2 == 0 else sides[::-1]:
-                    log(f"{name}: round {round_ + 1}, concurrency {level}, {requests} requests")
-                    runs[name][level].append(
-                        run_guidellm(
-                            target=target,
-                            model=model,
-                            api_key=key,
-                            tokenizer_dir=model_dir,
-                            concurrency=level,
-                            requests=requests,
-                            args=args,
-                            out_dir=out_dir,
-                            label=f"{name}-r{round_}-c{level}",
-                            pids=pids,
-                            seed=args.seed + 1000 * round_ + level,
-                        )
-                    )
+        if args.cold:
+            measure_cold(args, levels, model_dir, stack, out_dir, runs)
+        else:
+            measure_warm(args, levels, model_dir, stack, out_dir, runs)
     finally:
-        if vllm is not None:
-            vllm.stop()
         stack.close()
 
     summary: dict[str, Any] = {
@@ -440,9 +567,10 @@ def main() -> None:
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "database": stack.database,
         "rounds": args.rounds,
+        "cold": args.cold,
         "pagoda": {level: median_figures(r) for level, r in runs["pagoda"].items() if r},
     }
-    if vllm is not None:
+    if not args.skip_vllm:
         summary["vllm"] = {level: median_figures(r) for level, r in runs["vllm"].items() if r}
         for level in levels:
             p, v = summary["pagoda"][level], summary["vllm"][level]
@@ -451,6 +579,9 @@ def main() -> None:
             summary[f"itl_p50_ratio_c{level}"] = ratio(p["itl_ms"]["p50"], v["itl_ms"]["p50"])
             summary[f"itl_mean_ratio_c{level}"] = ratio(p["itl_ms"]["mean"], v["itl_ms"]["mean"])
             summary[f"ttft_p50_ratio_c{level}"] = ratio(p["ttft_ms"]["p50"], v["ttft_ms"]["p50"])
+            summary[f"first_wave_ttft_p95_ratio_c{level}"] = ratio(
+                p["first_wave_ttft_ms"].get("p95"), v["first_wave_ttft_ms"].get("p95")
+            )
             pairs = zip(runs["pagoda"][level], runs["vllm"][level], strict=True)
             summary[f"itl_p50_ratio_by_round_c{level}"] = [
                 ratio(a["itl_ms"]["p50"], b["itl_ms"]["p50"]) for a, b in pairs

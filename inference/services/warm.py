@@ -1,7 +1,8 @@
 """Warming a process up before its first requests: the enabled models' tokenizers loaded (the
-transformers import and the tokenizer files) and their chat templates compiled, so that no
-request waits seconds for them. The web process does it as it starts (config.web_server, with
-/ready not ready until it ends); a Celery worker on the `batches` queue when it is ready."""
+transformers import and the tokenizer files), their chat templates compiled and the bound on their
+tokens' bytes computed, so that no request waits seconds for them. The web process does it as it
+starts (config.web_server, with /ready not ready until it ends); a Celery worker on the `batches`
+queue when it is ready."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from django.db import connections
 from core.errors import PlatformError
 from core.warming import mark_warm, mark_warming
 from inference.selectors import deployment_list_enabled
-from inference.tokenization import chat_prompt_ids, tokenizers_load
+from inference.tokenization import chat_prompt_ids, max_token_bytes, tokenizers_load
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,10 @@ _WARM_MESSAGES = [{"role": "user", "content": "Hello."}]
 
 
 def models_warm() -> int:
-    """Load the tokenizers of the enabled models and render each one's chat template once. Returns
-    how many tokenizers loaded; one that cannot load is logged, and its requests get the error when
-    they come. Raises what the database raises (the caller decides what a failed warm-up means)."""
+    """Load the tokenizers of the enabled models, render each one's chat template once and compute
+    the bound on its tokens' bytes (tokenization.max_token_bytes). Returns how many tokenizers
+    loaded; one that cannot load is logged, and its requests get the error when they come. Raises
+    what the database raises (the caller decides what a failed warm-up means)."""
     try:
         paths = list(dict.fromkeys(d.model_path for d in deployment_list_enabled()))
     finally:
@@ -36,6 +38,8 @@ def models_warm() -> int:
             chat_prompt_ids(path, _WARM_MESSAGES)
         except PlatformError:
             continue  # no tokenizer, or no chat template: that model's requests get the error
+        # The bound on a token's bytes reads the whole tokenizer.json (40 ms for SmolLM2's).
+        max_token_bytes(path)
     return loaded
 
 

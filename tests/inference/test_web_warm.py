@@ -23,11 +23,13 @@ pytestmark = pytest.mark.django_db
 def _fresh_tokenizers(monkeypatch):
     monkeypatch.setattr(warming, "_warming", False)  # put back after the test
     tokenization._load.cache_clear()
+    tokenization._max_token_bytes.cache_clear()
     yield
     tokenization._load.cache_clear()
+    tokenization._max_token_bytes.cache_clear()
 
 
-def test_models_warm_loads_the_enabled_models_and_renders_their_chat_templates(
+def test_models_warm_loads_the_enabled_models_renders_their_chat_templates_and_bounds_their_tokens(
     smollm2_dir: Path, tmp_path: Path, monkeypatch
 ):
     ModelDeployment.objects.create(name="warm-a", model_path=str(smollm2_dir), max_model_len=512)
@@ -48,6 +50,7 @@ def test_models_warm_loads_the_enabled_models_and_renders_their_chat_templates(
     assert models_warm() == 1
 
     assert tokenization._load.cache_info().currsize == 1
+    assert tokenization._max_token_bytes.cache_info().currsize == 1  # read off tokenizer.json once
     # The broken one was tried and gave the request's error, which the warm-up let pass.
     assert rendered == [str(smollm2_dir), str(tmp_path / "nothing")]
     hits = tokenization._load.cache_info().hits
