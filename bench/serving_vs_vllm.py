@@ -356,7 +356,10 @@ def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in runs[0].items():
         if isinstance(value, dict):
-            out[key] = {k: _median([r[key][k] for r in runs]) for k in value}
+            # Keys of every round (a process's name may be missing from one).
+            out[key] = {
+                k: _median([r[key][k] for r in runs]) for k in value if all(k in r[key] for r in runs)
+            }
         elif isinstance(value, int | float):
             out[key] = _median([r[key] for r in runs])
     out["rounds"] = runs
@@ -382,7 +385,9 @@ def vllm_pids(vllm: VllmServer) -> dict[str, int]:
     pids = {"api_server": -vllm.proc.pid}
     for child in process_tree(vllm.proc.pid)[1:]:
         with contextlib.suppress(OSError):
-            pids[f"{Path(f'/proc/{child}/comm').read_text().strip()}:{child}"] = -child
+            name = Path(f"/proc/{child}/comm").read_text().strip()
+            # By name, not pid: a cold start's processes have new pids, and rounds are compared.
+            pids[name if name not in pids else f"{name}:{child}"] = -child
     return pids
 
 
