@@ -28,10 +28,10 @@ slow cohorts, 1.15-1.31x vLLM's in every round measured, while 128 gave 0.92-1.0
 5 s and at most 200 ms between tokens).
 
 With --cold, every (round, profile) starts each server afresh, one server at a time (the other is
-not running), and sends the profile's first requests the moment the server reports ready (Pagoda's
-/ready, vLLM's /health), with no warm-up: what users see after a deploy or a scale-up. The figures
-then add the first wave's time to first token (the profile's first `concurrency` requests, all
-sent at once) and the server's start-up time.
+not running), and GuideLLM sends the profile's requests as soon as the server reports ready
+(Pagoda's /ready, vLLM's /health) and it has made its prompts, with no warm-up request: what users
+see after a deploy or a scale-up. The figures then add the first wave's time to first token (the
+profile's first `concurrency` requests, sent at once) and the server's start-up time.
 
     .venv/bin/python bench/serving_vs_vllm.py --vllm-python ~/.cache/pagoda/vllm-venv/bin/python
     .venv/bin/python bench/serving_vs_vllm.py --skip-vllm --concurrency 8
@@ -57,6 +57,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -176,21 +177,32 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Side:
+    """One server as the load sees it, and the processes whose CPU time is counted."""
+
+    name: str
+    target: str
+    model: str
+    api_key: str
+    pids: dict[str, int]
+
+
 def run_guidellm(
+    side: Side,
     *,
-    target: str,
-    model: str,
-    api_key: str,
-    tokenizer_dir: Path,
     concurrency: int,
-    requests: int,
-    args: argparse.Namespace,
-    out_dir: Path,
+    round_: int,
     label: str,
-    pids: dict[str, int],
-    seed: int,
+    args: argparse.Namespace,
+    tokenizer_dir: Path,
+    out_dir: Path,
 ) -> dict[str, Any]:
-    """One GuideLLM `concurrent` benchmark; returns its figures (see METRICS) and goodput."""
+    """One GuideLLM `concurrent` benchmark; returns its figures (see METRICS) and goodput. Each
+    (round, concurrency) has prompts of its own, the same for both servers."""
+    target, model, api_key, pids = side.target, side.model, side.api_key, side.pids
+    requests = max(args.requests, 4 * concurrency)
+    seed = args.seed + 1000 * round_ + concurrency
     report = out_dir / f"{label}.json"
     scenario = {
         "backend": {
@@ -370,16 +382,16 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
-def pagoda_pids(stack: BenchStack) -> dict[str, int]:
-    """The stack's processes and the Redis server it uses."""
+def pagoda_side(stack: BenchStack) -> Side:
+    """The stack, its processes and the Redis server it uses."""
     from core.redis_client import get_redis
 
     pids = {name: proc.pid for name, proc in stack.processes.items()}
     pids["redis"] = int(get_redis().info("server")["process_id"])
-    return pids
+    return Side("pagoda", stack.base_url, stack.model, stack.api_key, pids)
 
 
-def vllm_pids(vllm: VllmServer) -> dict[str, int]:
+def vllm_side(vllm: VllmServer) -> Side:
     """The API server (tokenization, chat template, HTTP, detokenization) and the engine core
     process(es) under it."""
     pids = {"api_server": -vllm.proc.pid}
@@ -388,7 +400,7 @@ def vllm_pids(vllm: VllmServer) -> dict[str, int]:
             name = Path(f"/proc/{child}/comm").read_text().strip()
             # By name, not pid: a cold start's processes have new pids, and rounds are compared.
             pids[name if name not in pids else f"{name}:{child}"] = -child
-    return pids
+    return Side("vllm", vllm.base_url, vllm.name, vllm.api_key, pids)
 
 
 def measure_warm(
@@ -412,29 +424,22 @@ def measure_warm(
             vllm.wait_ready(timeout_s=600)
             warm_up(vllm.base_url, vllm.name, vllm.api_key)
         log("both servers ready" if vllm else "stack ready")
-        sides = [("pagoda", stack.base_url, stack.model, stack.api_key, pagoda_pids(stack))]
-        if vllm is not None:
-            sides.append(("vllm", vllm.base_url, vllm.name, vllm.api_key, vllm_pids(vllm)))
+        sides = [pagoda_side(stack)] + ([vllm_side(vllm)] if vllm is not None else [])
         for round_ in range(args.rounds):
             for i, level in enumerate(levels):
-                requests = max(args.requests, 4 * level)
                 # Taken in turn, the first server flipped every time: a slow spell of this shared
                 # machine falls on both alike.
-                for name, target, model, key, pids in sides if (round_ + i) % 2 == 0 else sides[::-1]:
-                    log(f"{name}: round {round_ + 1}, concurrency {level}, {requests} requests")
-                    runs[name][level].append(
+                for side in sides if (round_ + i) % 2 == 0 else sides[::-1]:
+                    log(f"{side.name}: round {round_ + 1}, concurrency {level}")
+                    runs[side.name][level].append(
                         run_guidellm(
-                            target=target,
-                            model=model,
-                            api_key=key,
-                            tokenizer_dir=model_dir,
+                            side,
                             concurrency=level,
-                            requests=requests,
+                            round_=round_,
+                            label=f"{side.name}-r{round_}-c{level}",
                             args=args,
+                            tokenizer_dir=model_dir,
                             out_dir=out_dir,
-                            label=f"{name}-r{round_}-c{level}",
-                            pids=pids,
-                            seed=args.seed + 1000 * round_ + level,
                         )
                     )
     finally:
@@ -456,42 +461,29 @@ def measure_cold(
     names = ["pagoda"] if args.skip_vllm else ["pagoda", "vllm"]
     for round_ in range(args.rounds):
         for i, level in enumerate(levels):
-            requests = max(args.requests, 4 * level)
             for name in names if (round_ + i) % 2 == 0 else names[::-1]:
-                label = f"{name}-cold-r{round_}-c{level}"
-                log(
-                    f"{name}: round {round_ + 1}, concurrency {level}, {requests} requests, from a cold start"
-                )
+                log(f"{name}: round {round_ + 1}, concurrency {level}, from a cold start")
                 started = time.monotonic()
                 vllm: VllmServer | None = None
                 try:
                     if name == "pagoda":
                         # A replica id of its own: nothing of the last start's replica is seen.
                         stack.start(threads=args.threads, replicas=(f"cold-r{round_}-c{level}",))
-                        target, model, key, pids = (
-                            stack.base_url,
-                            stack.model,
-                            stack.api_key,
-                            pagoda_pids(stack),
-                        )
+                        side = pagoda_side(stack)
                     else:
                         vllm = VllmServer(args, model_dir, stack.model, out_dir)
                         vllm.wait_ready(timeout_s=600)
-                        target, model, key, pids = vllm.base_url, vllm.name, vllm.api_key, vllm_pids(vllm)
+                        side = vllm_side(vllm)
                     startup_s = round(time.monotonic() - started, 1)
                     log(f"{name} ready {startup_s} s after its start")
                     figures = run_guidellm(
-                        target=target,
-                        model=model,
-                        api_key=key,
-                        tokenizer_dir=model_dir,
+                        side,
                         concurrency=level,
-                        requests=requests,
+                        round_=round_,
+                        label=f"{name}-cold-r{round_}-c{level}",
                         args=args,
+                        tokenizer_dir=model_dir,
                         out_dir=out_dir,
-                        label=label,
-                        pids=pids,
-                        seed=args.seed + 1000 * round_ + level,
                     )
                 finally:
                     if vllm is not None:
