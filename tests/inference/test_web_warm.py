@@ -30,9 +30,11 @@ def _fresh_tokenizers(monkeypatch):
 
 
 def test_models_warm_loads_the_enabled_models_renders_their_chat_templates_and_bounds_their_tokens(
-    smollm2_dir: Path, tmp_path: Path, monkeypatch
+    smollm2_dir: Path, minilm_dir: Path, tmp_path: Path, monkeypatch
 ):
     ModelDeployment.objects.create(name="warm-a", model_path=str(smollm2_dir), max_model_len=512)
+    # An embedding model: no chat template, and its requests still need the bound on a token's bytes.
+    ModelDeployment.objects.create(name="warm-embed", model_path=str(minilm_dir), max_model_len=256)
     # Two deployments of one model directory: one load.
     ModelDeployment.objects.create(name="warm-b", model_path=str(smollm2_dir), max_model_len=1024)
     ModelDeployment.objects.create(
@@ -47,12 +49,12 @@ def test_models_warm_loads_the_enabled_models_renders_their_chat_templates_and_b
         warm, "chat_prompt_ids", lambda path, messages: rendered.append(path) or real_render(path, messages)
     )
 
-    assert models_warm() == 1
+    assert models_warm() == 2
 
-    assert tokenization._load.cache_info().currsize == 1
-    assert tokenization._max_token_bytes.cache_info().currsize == 1  # read off tokenizer.json once
+    assert tokenization._load.cache_info().currsize == 2
+    assert tokenization._max_token_bytes.cache_info().currsize == 2  # read off tokenizer.json once
     # The broken one was tried and gave the request's error, which the warm-up let pass.
-    assert rendered == [str(smollm2_dir), str(tmp_path / "nothing")]
+    assert sorted(rendered) == sorted([str(smollm2_dir), str(minilm_dir), str(tmp_path / "nothing")])
     hits = tokenization._load.cache_info().hits
     tokenization.chat_prompt_ids(str(smollm2_dir), [{"role": "user", "content": "Hi"}])
     assert tokenization._load.cache_info().hits == hits + 1  # the request found it loaded
