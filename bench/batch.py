@@ -57,7 +57,7 @@ from bench._stack import (  # noqa: E402
     create_stack,
     engine_settings_from,
 )
-from bench.common import PromptSource, bench_model_dir, log, percentile, real_model_dir  # noqa: E402
+from bench.common import PromptSource, bench_model_dir, cpu_seconds, log, percentile, real_model_dir  # noqa: E402
 
 
 def _body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -143,15 +143,6 @@ def _phase(
     figures = load.figures(since, end)
     figures["seconds"] = round(end - started, 1)
     return figures, list(load.ttfts)
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User and system CPU seconds of a live process so far (Linux /proc), or None."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
 
 
 def _both_sides(before: dict[str, float], after: dict[str, float], ttfts: list[float]) -> dict[str, float]:
@@ -335,7 +326,8 @@ def main() -> None:
             r.num_interrupted_steps for r in deployment_replicas(name=stack.model)
         )
         # CPU seconds each process used over the whole run (the runner shares the cores).
-        figures["cpu_s"] = {name: _cpu_seconds(proc.pid) for name, proc in stack.processes.items()}
+        used = cpu_seconds({name: -proc.pid for name, proc in stack.processes.items()})
+        figures["cpu_s"] = {name: round(seconds, 1) for name, seconds in used.items()}
         figures["p90_ttft_ratio"] = round(
             figures["with_batch"]["p90_ttft_ms"] / figures["alone"]["p90_ttft_ms"], 3
         )

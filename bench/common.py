@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -136,3 +137,30 @@ class PromptSource:
             return [self.rng.randrange(6, self.vocab) for _ in range(n)]
         start = self.rng.randrange(0, len(self.corpus) - n)
         return self.corpus[start : start + n]
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) so far of each named process with its descendants (a negative pid:
+    that process alone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        total = 0
+        for member in process_tree(pid) if pid > 0 else [-pid]:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        out[name] = total / tick
+    return out

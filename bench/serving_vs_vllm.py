@@ -64,7 +64,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._stack import BenchStack, create_stack, free_port  # noqa: E402
-from bench.common import log, real_model_dir, vllm_env  # noqa: E402
+from bench.common import cpu_seconds, log, process_tree, real_model_dir, vllm_env  # noqa: E402
 
 # GuideLLM's report: one benchmark per run, metrics as distributions keyed by kind of request.
 METRICS = {
@@ -148,33 +148,6 @@ class VllmServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants."""
-    out, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        out.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            with contextlib.suppress(OSError, ValueError):
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-    return out
-
-
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """CPU time (user + system) so far of each named process with its descendants (a negative pid:
-    that process alone)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for name, pid in pids.items():
-        total = 0
-        for member in process_tree(pid) if pid > 0 else [-pid]:
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-        out[name] = total / tick
-    return out
 
 
 @dataclass
