@@ -25,6 +25,12 @@ interactive p90 TTFT within 1.2x of alone; batch share >= 0.8.
     .venv/bin/python bench/batch.py                      # the bench random-weight model
     .venv/bin/python bench/batch.py --model smollm2      # SmolLM2-135M
 
+Each phase's `ttft_parts_ms` takes the interactive TTFT apart (mean and p90 of each part, from the
+replica's timing of each request, engine.protocol.Event.timing): `web_in` (the client's call to the
+web tier queueing the request), `queue` (to the replica taking it: the step under way when it
+arrived), `engine` (to the end of the step that produced its first token), `web_out` (to the
+client reading it). The means add up to the mean TTFT.
+
 The JSON also gives the replica's measured step cost (`step_fixed_rows`: the shared step width's
 fixed cost, in decode rows, from its start-up probe) and `interrupted_steps` (batch steps given up
 between layers for an interactive arrival, engine.step_interrupt). `--engine-setting
@@ -73,7 +79,12 @@ def _sdk_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 class InteractiveLoad:
     """Closed-loop streaming clients: TTFT per request, and each request's output tokens counted when
-    it ends (tok/s over a phase: the tokens of the requests that ended in it)."""
+    it ends (tok/s over a phase: the tokens of the requests that ended in it).
+
+    Each request's TTFT is also taken apart, from the replica's finished event (its `timing`, the
+    last entry of the request's output stream): `web_in` (sent -> the web tier queued it), `queue` (->
+    the replica took it), `engine` (-> the step with its first token ended), `web_out` (-> the
+    client read that token)."""
 
     def __init__(
         self, client: Any, model: str, prompts: list[list[int]], max_tokens: int, think_s: float
@@ -81,6 +92,8 @@ class InteractiveLoad:
         self.client, self.model, self.prompts = client, model, prompts
         self.max_tokens, self.think_s = max_tokens, think_s
         self.ttfts: list[float] = []
+        self.parts: list[dict[str, float]] = []
+        self.cleared = 0  # clear() calls: a request's parts count where its TTFT did
         self.tokens: list[tuple[float, int]] = []  # (when a request ended, its output tokens)
         self.stop = threading.Event()
         self.errors: list[str] = []
@@ -88,24 +101,35 @@ class InteractiveLoad:
     def _client(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self.stop.is_set():
-            start = time.perf_counter()
+            start, sent = time.perf_counter(), time.time()
+            first_at, request_id, counted_in = None, None, None
             try:
                 stream = self.client.completions.create(
                     stream=True,
                     stream_options={"include_usage": True},
                     **_sdk_kwargs(_body(self.model, rng.choice(self.prompts), self.max_tokens)),
                 )
-                first = True
                 for chunk in stream:
                     now = time.perf_counter()
-                    if first and chunk.choices and chunk.choices[0].text:
+                    if first_at is None and chunk.choices and chunk.choices[0].text:
+                        first_at = time.time()
+                        request_id = chunk.id.removeprefix("cmpl-")
                         self.ttfts.append(now - start)
-                        first = False
+                        counted_in = self.cleared
                     if chunk.usage is not None:  # the last chunk: the request's output tokens
                         self.tokens.append((now, chunk.usage.completion_tokens))
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 self.errors.append(repr(exc))
+            if counted_in is not None and request_id is not None:
+                parts = _ttft_parts(request_id, sent, first_at)
+                if parts is not None and counted_in == self.cleared:
+                    self.parts.append(parts)
             self.stop.wait(self.think_s)
+
+    def clear(self) -> None:
+        self.cleared += 1
+        self.ttfts.clear()
+        self.parts.clear()
 
     def run(self, clients: int) -> list[threading.Thread]:
         threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
@@ -113,25 +137,62 @@ class InteractiveLoad:
             thread.start()
         return threads
 
-    def figures(self, since: float, until: float) -> dict[str, float]:
+    def figures(self, since: float, until: float) -> dict[str, Any]:
         count = sum(n for t, n in self.tokens if since <= t < until)
         return {
             "p90_ttft_ms": round(1000 * percentile(self.ttfts, 90), 1) if self.ttfts else 0.0,
             "p50_ttft_ms": round(1000 * percentile(self.ttfts, 50), 1) if self.ttfts else 0.0,
             "output_tok_s": round(count / (until - since), 1),
             "requests": len(self.ttfts),
+            "ttft_parts_ms": parts_figures(self.parts),
         }
+
+
+TTFT_PARTS = ("web_in", "queue", "engine", "web_out")
+
+
+def _ttft_parts(request_id: str, sent: float, first_at: float | None) -> dict[str, float] | None:
+    """A request's TTFT taken apart (seconds), from the finished event at the end of its output
+    stream; None when that is not there (an error) or has no first token."""
+    from django.conf import settings
+
+    from core.redis_client import get_redis
+    from engine.protocol import Event, output_stream
+
+    last = get_redis().xrevrange(output_stream(settings.REDIS_PREFIX, request_id), count=1)
+    timing = Event.decode(last[0][1]).timing if last else None
+    if not timing or "first_token" not in timing or first_at is None:
+        return None
+    return {
+        "web_in": timing["queued"] - sent,
+        "queue": timing["taken"] - timing["queued"],
+        "engine": timing["first_token"] - timing["taken"],
+        "web_out": first_at - timing["first_token"],
+    }
+
+
+def parts_figures(parts: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Mean (the means add up to the mean TTFT) and p90 of each part, in ms."""
+    if not parts:
+        return {}
+    return {
+        name: {
+            "mean": round(1000 * sum(p[name] for p in parts) / len(parts), 1),
+            "p90": round(1000 * percentile([p[name] for p in parts], 90), 1),
+        }
+        for name in TTFT_PARTS
+    }
 
 
 def _phase(
     client, model, prompts, args, *, clients: int, think_s: float, until
-) -> tuple[dict[str, float], list[float]]:
-    """The phase's figures, and its requests' TTFTs (seconds)."""
+) -> tuple[dict[str, Any], list[float], list[dict[str, float]]]:
+    """The phase's figures, its requests' TTFTs (seconds) and their parts."""
     load = InteractiveLoad(client, model, prompts, args.max_tokens, think_s)
     started = time.perf_counter()
     threads = load.run(clients)
     time.sleep(2.0)  # warm-up: the first requests' TTFTs are left out
-    load.ttfts.clear()
+    load.clear()
     since = time.perf_counter()
     until()
     end = time.perf_counter()
@@ -142,10 +203,12 @@ def _phase(
         log(f"{len(load.errors)} interactive errors, first: {load.errors[0]}")
     figures = load.figures(since, end)
     figures["seconds"] = round(end - started, 1)
-    return figures, list(load.ttfts)
+    return figures, list(load.ttfts), list(load.parts)
 
 
-def _both_sides(before: dict[str, float], after: dict[str, float], ttfts: list[float]) -> dict[str, float]:
+def _both_sides(
+    before: dict[str, Any], after: dict[str, Any], ttfts: list[float], parts: list[dict[str, float]]
+) -> dict[str, Any]:
     """A baseline from the phases on both sides of the batch: TTFT percentiles over all their
     requests, output tok/s their mean."""
     return {
@@ -153,6 +216,7 @@ def _both_sides(before: dict[str, float], after: dict[str, float], ttfts: list[f
         "p50_ttft_ms": round(1000 * percentile(ttfts, 50), 1) if ttfts else 0.0,
         "output_tok_s": round((before["output_tok_s"] + after["output_tok_s"]) / 2, 1),
         "requests": len(ttfts),
+        "ttft_parts_ms": parts_figures(parts),
     }
 
 
@@ -241,21 +305,24 @@ def main() -> None:
         for prompt in prompts[:4]:
             interactive.completions.create(**_sdk_kwargs(_body(stack.model, prompt, args.max_tokens)))
 
-        def phase(key: str, what: str, *, saturate: bool = False, until=None) -> list[float]:
+        def phase(
+            key: str, what: str, *, saturate: bool = False, until=None
+        ) -> tuple[list[float], list[dict[str, float]]]:
             """Run a phase (the engine saturated, or the interactive load until `until` returns,
-            by default for --duration-s), log it and keep its figures under `key`; its TTFTs."""
+            by default for --duration-s), log it and keep its figures under `key`; its TTFTs and
+            their parts."""
             log(f"{key}: {what}")
-            figures[key], ttfts = _phase(
+            figures[key], ttfts, parts = _phase(
                 interactive, stack.model, prompts, args,
                 clients=args.saturate if saturate else args.clients,
                 think_s=0.0 if saturate else args.think_s,
                 until=until or (lambda: time.sleep(args.duration_s)),
             )  # fmt: skip
             log(f"{key}: {figures[key]}")
-            return ttfts
+            return ttfts, parts
 
         phase("capacity_before", "the engine saturated", saturate=True)
-        alone_ttfts = phase("alone_before", "the interactive load")
+        alone_ttfts, alone_parts = phase("alone_before", "the interactive load")
 
         lines = [
             json.dumps(
@@ -287,9 +354,12 @@ def main() -> None:
             batch_info.update(batch=batch, seconds=time.perf_counter() - started)
 
         phase("with_batch", "the interactive load beside the batch", until=until_batch_done)
-        alone_ttfts += phase("alone_after", "the interactive load alone once more")
+        ttfts, parts = phase("alone_after", "the interactive load alone once more")
+        alone_ttfts, alone_parts = alone_ttfts + ttfts, alone_parts + parts
         phase("capacity_after", "the engine saturated once more", saturate=True)
-        figures["alone"] = _both_sides(figures["alone_before"], figures["alone_after"], alone_ttfts)
+        figures["alone"] = _both_sides(
+            figures["alone_before"], figures["alone_after"], alone_ttfts, alone_parts
+        )
         figures["capacity"] = {
             "output_tok_s": round(
                 (figures["capacity_before"]["output_tok_s"] + figures["capacity_after"]["output_tok_s"]) / 2,
@@ -338,16 +408,22 @@ def main() -> None:
     finally:
         stack.stop()
         from batches.models import Batch, File
-        from tenants.models import Tenant, UsageRecord
+        from tenants.models import Tenant, UsageDaily, UsageRecord
 
-        # What this run wrote beyond the stack's own rows: batches hold their key, files their bytes.
-        for tenant_id in (stack.tenant_id, other.pk):
-            Batch.objects.filter(tenant_id=tenant_id).delete()
-            for file in File.objects.filter(tenant_id=tenant_id):
-                file.content.delete(save=False)
-                file.delete()
-        UsageRecord.objects.filter(tenant_id=other.pk).delete()
-        Tenant.objects.filter(pk=other.pk).delete()
+        # What this run wrote beyond the stack's own rows: batches hold their key, files their bytes,
+        # and the ledger (its records and the beat's daily roll-ups) the interactive tenant's key.
+        # A failure here is printed; the figures are printed anyway.
+        try:
+            for tenant_id in (stack.tenant_id, other.pk):
+                Batch.objects.filter(tenant_id=tenant_id).delete()
+                for file in File.objects.filter(tenant_id=tenant_id):
+                    file.content.delete(save=False)
+                    file.delete()
+            UsageRecord.objects.filter(tenant_id=other.pk).delete()
+            UsageDaily.objects.filter(tenant_id=other.pk).delete()
+            Tenant.objects.filter(pk=other.pk).delete()
+        except Exception as exc:  # noqa: BLE001 - reported; the run's figures still count
+            log(f"could not remove this run's rows: {exc!r}")
         stack.close()
     print(json.dumps(figures))
 

@@ -242,6 +242,10 @@ class Event:
     # On a delta, once, when the request asked for prompt logprobs: one entry per prompt token,
     # None for the first, else {"token_id", "logprob", "rank", "top": [[token_id, logprob], ...]}.
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # On finished: where the request's time to its first token went, as unix times: `queued` (the
+    # web tier queued it), `taken` (this replica took it from its stream), `first_token` (the step
+    # that produced its first token ended; absent when none was produced here).
+    timing: dict[str, float] | None = None
     v: int = PROTOCOL_VERSION
 
     @classmethod
@@ -256,7 +260,9 @@ class Event:
         )
 
     @classmethod
-    def finished(cls, outputs: list[FinishedOutput], usage: Usage) -> Event:
+    def finished(
+        cls, outputs: list[FinishedOutput], usage: Usage, timing: dict[str, float] | None = None
+    ) -> Event:
         bodies = []
         for o in outputs:
             body: dict[str, Any] = {
@@ -267,7 +273,7 @@ class Event:
             if o.embedding is not None:  # an embed request's; a generation's outputs stay as they were
                 body["embedding"] = o.embedding
             bodies.append(body)
-        return cls(type="finished", outputs=bodies, usage=asdict(usage))
+        return cls(type="finished", outputs=bodies, usage=asdict(usage), timing=timing)
 
     @classmethod
     def error(cls, message: str, code: str, usage: Usage | None = None) -> Event:

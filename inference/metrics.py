@@ -48,6 +48,22 @@ ADAPTER_TOKENS = Counter(
     "Prompt plus completion tokens of requests that used a LoRA adapter",
     [*_LABELS, "adapter"],
 )
+# Where a request's time to first token went inside the engine tier, from the replica's finished
+# event (engine.protocol.Event.timing): queued -> taken, taken -> first token. Unix times of two
+# processes, possibly on two hosts: the queue time includes their clocks' offset.
+_STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+QUEUE_TIME = Histogram(
+    "pagoda_request_queue_seconds",
+    "From the web tier queueing a request to an engine replica taking it",
+    _LABELS,
+    buckets=_STAGE_BUCKETS,
+)
+ENGINE_FIRST_TOKEN = Histogram(
+    "pagoda_engine_first_token_seconds",
+    "From an engine replica taking a request to the end of the step that produced its first token",
+    _LABELS,
+    buckets=_STAGE_BUCKETS,
+)
 E2E_LATENCY = Histogram(
     "pagoda_e2e_request_latency_seconds", "From request arrival to its end", _LABELS, buckets=_LATENCY_BUCKETS
 )
@@ -99,6 +115,17 @@ def record_finished(
     E2E_LATENCY.labels(tenant, model).observe(latency_s)
     if error_code:
         ERRORS.labels(tenant, model, error_code).inc()
+
+
+def record_engine_timing(*, tenant: str, model: str, timing: dict[str, float]) -> None:
+    """A finished event's `timing`; a stage whose times are missing is not observed."""
+    queued, taken, first = timing.get("queued"), timing.get("taken"), timing.get("first_token")
+    if taken is None:
+        return
+    if queued:
+        QUEUE_TIME.labels(tenant, model).observe(max(0.0, taken - queued))
+    if first is not None:
+        ENGINE_FIRST_TOKEN.labels(tenant, model).observe(max(0.0, first - taken))
 
 
 def record_failover(*, model: str, gap_s: float) -> None:

@@ -217,6 +217,7 @@ class Intake:
             message_id=message_id,
             n=request.num_outputs,
             num_prompt_tokens=request.num_prompt_tokens,
+            queued_at=request.created_at,
         )
         if resume is not None:
             held.completion_tokens = [len(tokens) for tokens in resume.outputs]

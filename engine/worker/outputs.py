@@ -7,6 +7,7 @@ settled (usage of what was produced) without asking the engine, whose state for 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,9 @@ class HeldRequest:
     completion_tokens: list[int] = field(default_factory=list)  # tokens sent so far, per index
     finish_reasons: dict[int, FinishedOutput] = field(default_factory=dict)
     replica_marked: bool = False  # its stream says this replica holds it (first delta, or failover)
+    queued_at: float = 0.0  # unix time the web tier queued it (GenerateRequest.created_at)
+    taken_at: float = field(default_factory=time.time)  # unix time this replica took it
+    first_token_at: float | None = None  # unix time the step that produced its first token here ended
 
     def __post_init__(self) -> None:
         if not self.completion_tokens:
@@ -42,13 +46,20 @@ class HeldRequest:
             cached_tokens=self.num_cached_tokens,
         )
 
+    def timing(self) -> dict[str, float]:
+        """The finished event's `timing` (engine.protocol.Event)."""
+        timing = {"queued": self.queued_at, "taken": self.taken_at}
+        if self.first_token_at is not None:
+            timing["first_token"] = self.first_token_at
+        return timing
+
     def aborted_event(self) -> Event:
         """The finished event for a cancel: indices that had already ended keep their own reason."""
         outputs = [
             self.finish_reasons.get(i) or FinishedOutput(index=i, finish_reason=FinishReason.ABORT)
             for i in range(self.n)
         ]
-        return Event.finished(outputs, self.usage())
+        return Event.finished(outputs, self.usage(), self.timing())
 
 
 def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
@@ -60,6 +71,8 @@ def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
         token_ids = list(completion.token_ids_delta or ())
         text = completion.text_delta or ""
         if token_ids or text:
+            if token_ids and held.first_token_at is None:
+                held.first_token_at = time.time()
             held.completion_tokens[index] += len(token_ids)
             deltas.append(
                 DeltaOutput(
@@ -109,7 +122,7 @@ def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
         if embeddings is not None:
             for finished, vector in zip(outputs, embeddings, strict=True):
                 finished.embedding = vector
-        events.append(Event.finished(outputs, held.usage()))
+        events.append(Event.finished(outputs, held.usage(), held.timing()))
     return events
 
 

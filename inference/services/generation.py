@@ -419,6 +419,10 @@ class Generation:
                             logprobs=out.get("logprobs"),
                         )
                     continue
+                if event.timing is not None:
+                    metrics.record_engine_timing(
+                        tenant=self.auth.tenant_slug, model=plan.model, timing=event.timing
+                    )
                 for out in event.outputs:
                     reason = out.get("finish_reason")
                     if FINISH_REASONS.get(reason) is None:  # type: ignore[call-overload]  # str keys

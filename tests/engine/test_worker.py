@@ -278,6 +278,33 @@ def test_streamed_deltas_add_up_to_the_finished_text_and_to_the_engine_run_direc
     wait_for(lambda: pending(c, prefix) == 0, 5, "the request to be acked")
 
 
+def test_the_finished_event_says_when_the_request_was_queued_taken_and_gave_its_first_token(served):
+    c, prefix = served.client, served.prefix
+    queued = time.time()
+    request = GenerateRequest(
+        request_id="timed-1",
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        sampling_params={"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
+        tenant="tenant-a",
+        created_at=queued,
+    )
+    c.xadd(requests_stream(prefix, MODEL), request.encode())
+
+    events = wait_events(c, prefix, "timed-1")
+    ended_at = time.time()
+
+    timing = events[-1].timing
+    assert events[-1].type == "finished" and timing is not None
+    assert timing["queued"] == queued
+    assert queued <= timing["taken"] <= timing["first_token"] <= ended_at
+    # The first token's time is that of the step that produced it: no later than its delta's entry
+    # (whose id is the time it was written, in ms).
+    first_delta_id = c.xrange(output_stream(prefix, "timed-1"), count=1)[0][0].decode()
+    assert timing["first_token"] * 1000 <= int(first_delta_id.split("-")[0]) + 1
+    assert all(e.timing is None for e in events[:-1])
+
+
 def test_n2_streams_every_index_and_sums_usage_over_them(served, direct_engine):
     c, prefix = served.client, served.prefix
     submit(c, prefix, "n2-1", n=2, max_tokens=10, ignore_eos=True)

@@ -203,6 +203,9 @@ async def test_metrics_count_per_tenant_and_read_engine_gauges_from_heartbeats(
     assert f"pagoda_completion_tokens_total{{{labels}}} 4.0" in text
     assert f"pagoda_cached_tokens_total{{{labels}}} {float(cached)}" in text
     assert f"pagoda_time_to_first_token_seconds_count{{{labels}}} 2.0" in text
+    # Each request's time to first token taken apart by the replica (engine.protocol.Event.timing).
+    assert f"pagoda_request_queue_seconds_count{{{labels}}} 2.0" in text
+    assert f"pagoda_engine_first_token_seconds_count{{{labels}}} 2.0" in text
     assert f"pagoda_e2e_request_latency_seconds_count{{{labels}}} 2.0" in text
     # An unknown model name is not a label value: it cannot mint new series.
     assert (
