@@ -277,6 +277,12 @@ class Scheduler:
             and any(s.num_uncomputed_tokens == 1 for s in self.running)
         )
         prefill_budget = cap if decoding else self.config.max_num_batched_tokens
+        if self.config.enable_chunked_prefill:
+            spare_cap = self.step_width.spare_prompt_tokens(
+                self.running, self.waiting.peek(), self.config.max_num_seqs
+            )
+            if spare_cap is not None:
+                prefill_budget = min(prefill_budget, spare_cap)
         self.tiers = TierGate.for_step(
             self.config.lower_tier_prefill_tokens, self.running, self.waiting.peek()
         )

@@ -245,6 +245,28 @@ class SharedStepWidth:
     def enabled(self) -> bool:
         return self.slowdown > 0 and self.fixed_rows is not None
 
+    def spare_prompt_tokens(
+        self, running: Iterable[Sequence], first_waiting: Sequence | None, max_num_seqs: int
+    ) -> int | None:
+        """The most prompt tokens a step of spare-capacity sequences alone computes, or None (no cap).
+
+        Such a step is given up between layers when a more important request arrives
+        (engine.step_interrupt), and a request arriving during it waits for the layer under way: a
+        step that computes a wave of batch prompts at once (32 of 64 tokens: 2,000 tokens, ten times
+        a full decode step) made that wait most of a decode step's time. So its prompt tokens cost at
+        most a full decode step's rows (`max_num_seqs`, at the measured rows of a prompt token): the
+        wait stays within a layer of a step at most about twice the widest decode step, and the
+        batch's prompts are computed a chunk a step beside its decodes instead of in one long step.
+        None where such steps are not given up, the costs are not measured (on a GPU), or a more
+        important sequence runs or waits to start."""
+        if not self.spare_steps_interruptible or self.prompt_token_rows is None or self.fixed_rows is None:
+            return None
+        if first_waiting is not None and first_waiting.priority < SPARE_CAPACITY_PRIORITY:
+            return None
+        if any(seq.priority < SPARE_CAPACITY_PRIORITY for seq in running):
+            return None
+        return max(1, math.floor(max_num_seqs / self.prompt_token_rows))
+
     def costs(self) -> RowCosts:
         return RowCosts(
             self.prompt_token_rows or 1.0,

@@ -505,3 +505,40 @@ def test_a_lingering_tenant_narrows_spare_capacity_steps_only_where_they_are_not
     _add(sched, "other", 1, priority=DEFAULT)
     _until_all_decode(sched)
     assert _step(sched)["batch"] < 30
+
+
+@pytest.mark.parametrize("interruptible", [False, True], ids=["steps-kept", "steps-given-up"])
+def test_a_step_of_spare_capacity_prompts_alone_computes_at_most_a_decode_steps_rows_where_it_is_given_up(
+    interruptible: bool,
+):
+    """A request arriving during a step that is given up for it waits for the layer under way: a
+    wave of batch prompts in one step made that most of a decode step's time (engine.step_width
+    .spare_prompt_tokens). 16 slots at half a row a prompt token: 32 prompt tokens a step."""
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, max_num_seqs=16)
+    sched.step_width.spare_steps_interruptible = interruptible
+    lines = _add(sched, "batch", 8, prompt=16, priority=FLEX)
+    out = sched.schedule()
+    assert out.num_batched_tokens == (32 if interruptible else 128)
+    sched.update_from_output(out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample})
+    if interruptible:
+        # The rest a chunk a step, beside the decodes of the lines that started.
+        for _ in range(3):
+            out = sched.schedule()
+            prompt_tokens = sum(
+                i.num_new_tokens for i in out.scheduled if i.start_pos < i.seq.num_prompt_tokens
+            )
+            assert prompt_tokens <= 32
+            sched.update_from_output(out, {s.seq.seq_id: [7] for s in out.scheduled if s.needs_sample})
+    _until_all_decode(sched)
+    assert all(seq.num_computed_tokens >= 16 for seq in lines)
+    # A more important request's prompt is computed whole in one step, whatever the cap.
+    (chat,) = _add(sched, "chat", 1, prompt=100, priority=DEFAULT)
+    out = sched.schedule()
+    assert {item.seq.seq_id: item.num_new_tokens for item in out.scheduled} == {chat.seq_id: 100}
+
+
+def test_without_measured_costs_spare_capacity_prompts_are_not_cut():
+    sched = _scheduler(fixed_rows=None, max_num_seqs=16)  # a GPU: nothing measured
+    sched.step_width.spare_steps_interruptible = True
+    _add(sched, "batch", 8, prompt=16, priority=FLEX)
+    assert sched.schedule().num_batched_tokens == 128
