@@ -243,8 +243,9 @@ class Event:
     # None for the first, else {"token_id", "logprob", "rank", "top": [[token_id, logprob], ...]}.
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     # On finished: where the request's time to its first token went, as unix times: `queued` (the
-    # web tier queued it), `taken` (this replica took it from its stream), `first_token` (the step
-    # that produced its first token ended; absent when none was produced here).
+    # web tier queued it; 0 for a request that had streamed on a replica lost since), `taken` (this
+    # replica took it from its stream), `first_token` (the step that produced its first token here
+    # ended; absent when none was produced here).
     timing: dict[str, float] | None = None
     v: int = PROTOCOL_VERSION
 

@@ -217,7 +217,8 @@ class Intake:
             message_id=message_id,
             n=request.num_outputs,
             num_prompt_tokens=request.num_prompt_tokens,
-            queued_at=request.created_at,
+            # A request that streamed elsewhere was not waiting in the queue since it was queued.
+            queued_at=request.created_at if resume is None else 0.0,
         )
         if resume is not None:
             held.completion_tokens = [len(tokens) for tokens in resume.outputs]

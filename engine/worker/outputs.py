@@ -27,7 +27,7 @@ class HeldRequest:
     completion_tokens: list[int] = field(default_factory=list)  # tokens sent so far, per index
     finish_reasons: dict[int, FinishedOutput] = field(default_factory=dict)
     replica_marked: bool = False  # its stream says this replica holds it (first delta, or failover)
-    queued_at: float = 0.0  # unix time the web tier queued it (GenerateRequest.created_at)
+    queued_at: float = 0.0  # unix time the web tier queued it (0: it streamed on a lost replica)
     taken_at: float = field(default_factory=time.time)  # unix time this replica took it
     first_token_at: float | None = None  # unix time the step that produced its first token here ended
 

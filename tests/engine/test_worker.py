@@ -59,10 +59,22 @@ def drop_keys(client: redis.Redis, prefix: str) -> None:
         client.delete(key)
 
 
-def submit(client: redis.Redis, prefix: str, request_id: str, prompt: list[int] = PROMPT, **params) -> None:
+def submit(
+    client: redis.Redis,
+    prefix: str,
+    request_id: str,
+    prompt: list[int] = PROMPT,
+    created_at: float = 0.0,
+    **params,
+) -> None:
     params.setdefault("temperature", 0.0)
     request = GenerateRequest(
-        request_id=request_id, model=MODEL, prompt_token_ids=prompt, sampling_params=params, tenant="tenant-a"
+        request_id=request_id,
+        model=MODEL,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        tenant="tenant-a",
+        created_at=created_at,
     )
     client.xadd(requests_stream(prefix, MODEL), request.encode())
 
@@ -464,9 +476,10 @@ def test_a_killed_replicas_requests_are_taken_over_queued_ones_run_and_streaming
     # One sequence runs at a time and two are taken: the second waits, held but never started.
     workers.start("doomed", "--max-num-seqs", "1", "--max-held", "2", *slow_claims)
     workers.wait_ready("doomed")
-    submit(c, prefix, "streaming", max_tokens=480, ignore_eos=True)
+    submit(c, prefix, "streaming", max_tokens=480, ignore_eos=True, created_at=time.time())
     wait_events(c, prefix, "streaming", until=has_delta)
-    submit(c, prefix, "held-waiting", max_tokens=12, ignore_eos=True)
+    waiting_queued_at = time.time()
+    submit(c, prefix, "held-waiting", max_tokens=12, ignore_eos=True, created_at=waiting_queued_at)
     wait_for(lambda: pending(c, prefix) == 2, 10, "the dead-to-be replica to hold both requests")
     assert not ended(events_of(c, prefix, "streaming"))
     assert events_of(c, prefix, "held-waiting") == []
@@ -497,6 +510,11 @@ def test_a_killed_replicas_requests_are_taken_over_queued_ones_run_and_streaming
         12,
     )
     assert (queued[-1].type, queued[-1].replica, num_streamed_tokens(queued)) == ("finished", "rescuer", 6)
+    # The request that had not started waited in the queue from when it was queued; the one that
+    # streamed on the lost replica did not (its timing leaves the queue out).
+    assert waiting[-1].timing is not None and waiting[-1].timing["queued"] == waiting_queued_at
+    assert streaming[-1].timing is not None and streaming[-1].timing["queued"] == 0.0
+    assert streaming[-1].timing["taken"] <= streaming[-1].timing["first_token"]
     wait_for(lambda: pending(c, prefix) == 0, 5, "every request to be acked")
     stats = stats_of(c, prefix, "rescuer")
     assert stats is not None and stats.num_resumed_requests == 1
