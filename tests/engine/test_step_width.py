@@ -17,7 +17,7 @@ from engine.rules import SERVICE_TIER_PRIORITY
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.step_width import LINGER_S, RowCosts, SharedStepWidth, tenant_cap, tenant_caps, width
+from engine.step_width import LINGER_S, SPARE_CUT_S, RowCosts, SharedStepWidth, tenant_cap, tenant_caps, width
 from engine.warm_up import shared_step_costs
 
 
@@ -515,7 +515,14 @@ def test_a_step_of_spare_capacity_prompts_alone_computes_at_most_a_decode_steps_
     wave of batch prompts in one step made that most of a decode step's time (engine.step_width
     .spare_prompt_tokens). 16 slots at half a row a prompt token: 32 prompt tokens a step."""
     sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, max_num_seqs=16)
+    now = [100.0]
+    sched.step_width = SharedStepWidth(2.0, 4.0, 0.5, clock=lambda: now[0])
     sched.step_width.spare_steps_interruptible = interruptible
+    # Interactive traffic ran a while ago (within SPARE_CUT_S).
+    (chat,) = _add(sched, "chat", 1, prompt=8, out=1, priority=DEFAULT)
+    _step(sched)
+    sched.finish(chat, SequenceStatus.FINISHED_LENGTH, "length")
+    now[0] += SPARE_CUT_S / 2
     lines = _add(sched, "batch", 8, prompt=16, priority=FLEX)
     out = sched.schedule()
     assert out.num_batched_tokens == (32 if interruptible else 128)
@@ -534,11 +541,26 @@ def test_a_step_of_spare_capacity_prompts_alone_computes_at_most_a_decode_steps_
     # A more important request's prompt is computed whole in one step, whatever the cap.
     (chat,) = _add(sched, "chat", 1, prompt=100, priority=DEFAULT)
     out = sched.schedule()
-    assert {item.seq.seq_id: item.num_new_tokens for item in out.scheduled} == {chat.seq_id: 100}
+    # (its first tokens may be prefix-cache hits of the earlier chat prompt)
+    assert [(item.seq.seq_id, item.end_pos) for item in out.scheduled] == [(chat.seq_id, 100)]
 
 
 def test_without_measured_costs_spare_capacity_prompts_are_not_cut():
     sched = _scheduler(fixed_rows=None, max_num_seqs=16)  # a GPU: nothing measured
     sched.step_width.spare_steps_interruptible = True
+    _add(sched, "batch", 8, prompt=16, priority=FLEX)
+    assert sched.schedule().num_batched_tokens == 128
+
+
+def test_a_batch_alone_on_its_replica_computes_its_prompts_in_whole_steps():
+    """Without more important traffic for SPARE_CUT_S, nothing is waited for: no cut."""
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, max_num_seqs=16)
+    now = [100.0]
+    sched.step_width = SharedStepWidth(2.0, 4.0, 0.5, clock=lambda: now[0])
+    sched.step_width.spare_steps_interruptible = True
+    (chat,) = _add(sched, "chat", 1, prompt=8, out=1, priority=DEFAULT)
+    _step(sched)
+    sched.finish(chat, SequenceStatus.FINISHED_LENGTH, "length")
+    now[0] += SPARE_CUT_S
     _add(sched, "batch", 8, prompt=16, priority=FLEX)
     assert sched.schedule().num_batched_tokens == 128
