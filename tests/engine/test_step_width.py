@@ -507,6 +507,19 @@ def test_a_lingering_tenant_narrows_spare_capacity_steps_only_where_they_are_not
     assert _step(sched)["batch"] < 30
 
 
+def _after_a_chat(elapsed_s: float, *, interruptible: bool) -> Scheduler:
+    """16 slots at half a row a prompt token, `elapsed_s` after a chat request ended."""
+    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, max_num_seqs=16)
+    now = [100.0]
+    sched.step_width = SharedStepWidth(2.0, 4.0, 0.5, clock=lambda: now[0])
+    sched.step_width.spare_steps_interruptible = interruptible
+    (chat,) = _add(sched, "chat", 1, prompt=8, out=1, priority=DEFAULT)
+    _step(sched)
+    sched.finish(chat, SequenceStatus.FINISHED_LENGTH, "length")
+    now[0] += elapsed_s
+    return sched
+
+
 @pytest.mark.parametrize("interruptible", [False, True], ids=["steps-kept", "steps-given-up"])
 def test_a_step_of_spare_capacity_prompts_alone_computes_at_most_a_decode_steps_rows_where_it_is_given_up(
     interruptible: bool,
@@ -514,15 +527,8 @@ def test_a_step_of_spare_capacity_prompts_alone_computes_at_most_a_decode_steps_
     """A request arriving during a step that is given up for it waits for the layer under way: a
     wave of batch prompts in one step made that most of a decode step's time (engine.step_width
     .spare_prompt_tokens). 16 slots at half a row a prompt token: 32 prompt tokens a step."""
-    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, max_num_seqs=16)
-    now = [100.0]
-    sched.step_width = SharedStepWidth(2.0, 4.0, 0.5, clock=lambda: now[0])
-    sched.step_width.spare_steps_interruptible = interruptible
     # Interactive traffic ran a while ago (within SPARE_CUT_S).
-    (chat,) = _add(sched, "chat", 1, prompt=8, out=1, priority=DEFAULT)
-    _step(sched)
-    sched.finish(chat, SequenceStatus.FINISHED_LENGTH, "length")
-    now[0] += SPARE_CUT_S / 2
+    sched = _after_a_chat(SPARE_CUT_S / 2, interruptible=interruptible)
     lines = _add(sched, "batch", 8, prompt=16, priority=FLEX)
     out = sched.schedule()
     assert out.num_batched_tokens == (32 if interruptible else 128)
@@ -554,13 +560,6 @@ def test_without_measured_costs_spare_capacity_prompts_are_not_cut():
 
 def test_a_batch_alone_on_its_replica_computes_its_prompts_in_whole_steps():
     """Without more important traffic for SPARE_CUT_S, nothing is waited for: no cut."""
-    sched = _scheduler(fixed_rows=4.0, prompt_token_rows=0.5, max_num_seqs=16)
-    now = [100.0]
-    sched.step_width = SharedStepWidth(2.0, 4.0, 0.5, clock=lambda: now[0])
-    sched.step_width.spare_steps_interruptible = True
-    (chat,) = _add(sched, "chat", 1, prompt=8, out=1, priority=DEFAULT)
-    _step(sched)
-    sched.finish(chat, SequenceStatus.FINISHED_LENGTH, "length")
-    now[0] += SPARE_CUT_S
+    sched = _after_a_chat(SPARE_CUT_S, interruptible=True)
     _add(sched, "batch", 8, prompt=16, priority=FLEX)
     assert sched.schedule().num_batched_tokens == 128
