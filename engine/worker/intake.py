@@ -15,7 +15,7 @@ from engine.protocol import ErrorCode, Event, GenerateRequest, ProtocolError, Us
 from engine.resume import Resume
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.worker.outputs import HeldRequest
-from engine.worker.queue import EntryRef
+from engine.worker.queue import Entry, EntryRef
 from engine.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -148,7 +148,10 @@ class Intake:
         room = w.max_held - len(w.held)
         if room <= 0:
             return
-        entries = w.queue.read_new(room, w.settings.idle_block_ms if block else None)
+        self.take_new(w.queue.read_new(room, w.settings.idle_block_ms if block else None))
+
+    def take_new(self, entries: list[Entry]) -> None:
+        """Take entries read as new (by read_new, or ahead by the last publish)."""
         for message_id, fields in entries:
             self.take(message_id, fields)
 

@@ -2,7 +2,8 @@
 
 Per iteration: (re)claim requests, take new ones (a bounded blocking read only when the engine is
 idle), apply cancels, one engine step, then one pipeline with every event of the step and the acks
-of the requests that ended. Delivery is at-least-once; what keeps a reader from seeing an answer
+of the requests that ended. While requests still run, that pipeline also reads the new requests
+and cancels for the next step: one round trip between two steps. Delivery is at-least-once; what keeps a reader from seeing an answer
 twice is that a request taken over from another replica (reclaimed from a dead one, or handed back)
 which had already streamed is never run again from its start: it is continued from what its output
 stream shows, after a failover marker that fences out anything the lost replica still writes
@@ -62,6 +63,8 @@ class EngineWorker:
         self.cancelled: dict[str, float] = {}  # cancels of requests not (yet) held here -> when seen
         self.events: list[tuple[str, Event]] = []
         self.acks: list[EntryRef] = []
+        # Whether the last flush read the new requests and cancels for this turn of the loop.
+        self._read_ahead = False
         self._stopping = False
         self._force_stop = False
         # For the health port (engine.worker.health): taking work since the first heartbeat, and
@@ -169,18 +172,22 @@ class EngineWorker:
         if not self._stopping and now >= self._next_orphan_check:
             self.intake.claim_orphans()
             self._next_orphan_check = now + self.settings.heartbeat_interval_s
-        if self.arrived is not None:
+        # The last flush may have read ahead, in its round trip, what this turn reads (see flush).
+        read_ahead, self._read_ahead = self._read_ahead, False
+        if self.arrived is not None and not read_ahead:
             # What arrives from here on is read before the next step; a draining replica reads
             # nothing new, so an arrival gives up at most the one step it came during.
             self.arrived.clear()
         if not self._stopping:
-            self.intake.read_new(block=not self.engine.has_unfinished_requests())
+            if not read_ahead:
+                self.intake.read_new(block=not self.engine.has_unfinished_requests())
             if now >= self._next_steal:
                 self.intake.steal()
                 self._next_steal = now + self.settings.steal_interval_s
-        # After the reads: a request cancelled while this replica blocked on the stream is
-        # aborted before its first step.
-        self._apply_cancels()
+        if not read_ahead:
+            # After the reads: a request cancelled while this replica blocked on the stream is
+            # aborted before its first step.
+            self._apply_cancels()
         if self.engine.has_unfinished_requests():
             try:
                 outputs = self.engine.step()
@@ -194,7 +201,11 @@ class EngineWorker:
             # Draining with an idle engine: the read above did not block, so wait briefly
             # instead of spinning on the cancel stream.
             time.sleep(0.01)
-        self.flush()
+        if not self._stopping and self.engine.has_unfinished_requests():
+            # Another step follows at once: its reads go with this step's events.
+            self.flush(read_ahead=True)
+        else:
+            self.flush()
         now = time.monotonic()
         if now >= self._next_touch:
             self._touch()
@@ -238,9 +249,10 @@ class EngineWorker:
 
     # --- cancels, outputs -----------------------------------------------------------------------
 
-    def _apply_cancels(self) -> None:
+    def _apply_cancels(self, request_ids: list[str] | None = None) -> None:
+        """Abort the requests cancelled since the last read (`request_ids`: read already)."""
         now = time.monotonic()
-        for request_id in self.queue.read_cancels():
+        for request_id in self.queue.read_cancels() if request_ids is None else request_ids:
             held = self.held.pop(request_id, None)
             if held is None:
                 self.cancelled[request_id] = now
@@ -274,13 +286,34 @@ class EngineWorker:
         self.events.append((held.request_id, event))
         self.acks.append(held.message_id)
 
-    def flush(self) -> None:
+    def flush(self, *, read_ahead: bool = False) -> None:
+        """Publish the events and acks gathered; with `read_ahead`, the same round trip reads the
+        new requests and cancels that the next turn of the loop would read (RequestQueue.publish),
+        and they are taken and applied here."""
         events, acks = self.events, self.acks
         self.events, self.acks = [], []
         for _, event in events:
             if event.type != "delta":  # which replica answered, for logs and tests; not on every token
                 event.replica = self.settings.replica_id
-        self.queue.publish(events, acks)
+        room = self.max_held - len(self.held)
+        if not read_ahead or room <= 0:
+            self.queue.publish(events, acks)
+            return
+        if self.arrived is not None:
+            self.arrived.clear()  # as the next turn would before its read (see _iterate)
+        ahead = self.queue.publish(events, acks, read_ahead=room)
+        assert ahead is not None
+        # Taken and applied here, as the next turn would: a drain that begins then hands back
+        # what was read as it hands back any request that has not started.
+        if ahead.entries is not None:
+            self.intake.take_new(ahead.entries)
+        self._apply_cancels(ahead.cancels)
+        self._read_ahead = ahead.entries is not None
+        if self.events or self.acks:
+            # Requests that ended here (cancelled, or refused as they were taken): their ends and
+            # acks go now, as the next turn's would have before it steps. An entry left unacked
+            # and untouched would be reclaimed as a lost one.
+            self.flush()
 
     # --- liveness -------------------------------------------------------------------------------
 

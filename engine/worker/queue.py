@@ -86,6 +86,17 @@ def _stream_id(value: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+# Cancels read at most at once (the rest on the next read).
+CANCELS_READ_MAX = 1000
+
+
+class ReadAhead(NamedTuple):
+    """What a publish read for the next step: new entries (None: read them again) and cancels."""
+
+    entries: list[Entry] | None
+    cancels: list[str]
+
+
 class RequestQueue:
     def __init__(
         self,
@@ -111,7 +122,6 @@ class RequestQueue:
         self._touch = client.register_script(TOUCH_SCRIPT)
         self._hand_back = client.register_script(HAND_BACK_SCRIPT)
         self._take_over = client.register_script(TAKE_OVER_SCRIPT)
-        self._ack_owned = client.register_script(ACK_OWNED_SCRIPT)
         self._read_new = client.register_script(READ_NEW_SCRIPT)
         self._steal = client.register_script(STEAL_SCRIPT)
         self._retire = client.register_script(RETIRE_SCRIPT)
@@ -155,14 +165,14 @@ class RequestQueue:
         keys = [self.own_stream, self.stream]
         args: list[str | int] = [CONSUMER_GROUP, self.replica_id, count]
         try:
-            own, shared = self._read_new(keys=keys, args=args)
+            reply = self._read_new(keys=keys, args=args)
         except redis.ResponseError as exc:
             if not _no_group(exc):
                 raise
             # Taken for a lost replica while this one stalled, its stream was retired: open it again.
             self.ensure_group()
-            own, shared = self._read_new(keys=keys, args=args)
-        entries = [*_script_entries(self.own_stream, own), *_script_entries(self.stream, shared)]
+            reply = self._read_new(keys=keys, args=args)
+        entries = self._new_entries(reply)
         if not entries and block_ms is not None:
             try:
                 reply = self.client.xreadgroup(
@@ -180,6 +190,10 @@ class RequestQueue:
             entries = entries_of(reply)
         self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
         return entries
+
+    def _new_entries(self, reply: Any) -> list[Entry]:
+        own, shared = reply
+        return [*_script_entries(self.own_stream, own), *_script_entries(self.stream, shared)]
 
     def steal(self, count: int, min_age_ms: int) -> list[Entry]:
         """Entries routed to other replicas that nobody read for `min_age_ms` (their replica is
@@ -355,16 +369,24 @@ class RequestQueue:
             del self._entry_ids[request_id]
         return entry_id
 
-    def publish(self, events: list[tuple[str, Event]], acks: list[EntryRef]) -> None:
+    def publish(
+        self, events: list[tuple[str, Event]], acks: list[EntryRef], *, read_ahead: int = 0
+    ) -> ReadAhead | None:
         """All of one step's events and acks in one round trip; acks go last so nothing is acked unsent.
 
         Each event gets its entry id here, once. When the round trip fails (a ConnectionError
         raised to the caller), the batch is kept and sent again first by the next call: entries
-        Redis had already taken are refused as duplicates, so nothing is written twice."""
+        Redis had already taken are refused as duplicates, so nothing is written twice.
+
+        `read_ahead` > 0: the same round trip then reads what the next step needs, as `read_new`
+        (without blocking) up to that many entries, and `read_cancels` would, and returns it (None
+        when its read of new entries found a stream retired: the next call of `read_new` reads
+        again). A replica still running requests after a step makes one round trip between steps
+        instead of three."""
         batch = self._unsent + [(rid, event, self._entry_id(rid, event)) for rid, event in events]
         acks = self._unsent_acks + acks
-        if not batch and not acks:
-            return
+        if not batch and not acks and read_ahead <= 0:
+            return None
         self._unsent, self._unsent_acks = batch, acks
         pipe = self.client.pipeline(transaction=False)
         now = time.monotonic()
@@ -398,7 +420,15 @@ class RequestQueue:
                 if rid in live or stamp[0] / 1000 >= time.time() - self.output_ttl_s
             }
         for stream, ids in _by_stream(acks).items():
-            self._ack_owned(keys=[stream], args=[CONSUMER_GROUP, self.replica_id, *ids], client=pipe)
+            # EVAL, not a registered script: a pipeline checks its scripts exist in a round trip
+            # of its own first.
+            pipe.eval(ACK_OWNED_SCRIPT, 1, stream, CONSUMER_GROUP, self.replica_id, *ids)
+        reads = len(pipe)
+        if read_ahead > 0:
+            pipe.eval(
+                READ_NEW_SCRIPT, 2, self.own_stream, self.stream, CONSUMER_GROUP, self.replica_id, read_ahead
+            )
+            pipe.xread({self.cancels: self._cancel_cursor}, count=CANCELS_READ_MAX)
         results = pipe.execute(raise_on_error=False)
         self._unsent, self._unsent_acks = [], []
         for index in xadds:
@@ -409,6 +439,20 @@ class RequestQueue:
         for result in results:
             if isinstance(result, redis.ConnectionError | redis.TimeoutError):
                 raise result
+        if read_ahead <= 0:
+            return None
+        new, cancels = results[reads:]
+        if isinstance(cancels, Exception):
+            raise cancels
+        cancel_ids = self._cancel_ids(cancels)
+        if isinstance(new, redis.ResponseError) and _no_group(new):
+            self.ensure_group()  # retired while this replica stalled (see read_new)
+            return ReadAhead(None, cancel_ids)
+        if isinstance(new, Exception):
+            raise new
+        entries = self._new_entries(new)
+        self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
+        return ReadAhead(entries, cancel_ids)
 
     @property
     def num_unsent(self) -> int:
@@ -462,8 +506,10 @@ class RequestQueue:
         # sent for requests that this replica will only take later (a reclaim, a queued request).
         self._cancel_cursor = f"{max(0, int((time.time() - lookback_s) * 1000))}-0"
 
-    def read_cancels(self, count: int = 1000) -> list[str]:
-        reply = self.client.xread({self.cancels: self._cancel_cursor}, count=count)
+    def read_cancels(self, count: int = CANCELS_READ_MAX) -> list[str]:
+        return self._cancel_ids(self.client.xread({self.cancels: self._cancel_cursor}, count=count))
+
+    def _cancel_ids(self, reply: Any) -> list[str]:
         ids: list[str] = []
         for ref, fields in entries_of(reply):
             self._cancel_cursor = ref.id

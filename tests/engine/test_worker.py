@@ -996,3 +996,63 @@ def test_an_output_stream_gets_its_ttl_on_its_first_and_last_entries_not_on_ever
         assert [e.type for e in events_of(client, prefix, "ttl")] == ["delta", "delta", "finished"]
     finally:
         drop_keys(client, prefix)
+
+
+def test_between_two_steps_a_running_replica_makes_one_round_trip_to_redis(client, inproc, fresh_engine):
+    """A step's events, the acks, the read of new requests and the read of cancels for the next
+    step go in one pipeline: while a request runs, the replica's loop makes one round trip between
+    two steps (not one per read). Timers (touch, heartbeat, reclaim) are set far off here."""
+    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
+
+    sends: dict[int, int] = {}  # thread -> commands or pipelines sent to Redis
+    pool = redis.ConnectionPool.from_url(REDIS_URL)
+
+    class Counting(pool.connection_class):  # type: ignore[name-defined, misc]
+        def send_packed_command(self, command, check_health=True):
+            ident = threading.get_ident()
+            sends[ident] = sends.get(ident, 0) + 1
+            return super().send_packed_command(command, check_health)
+
+    pool.connection_class = Counting
+    counted = redis.Redis(connection_pool=pool)
+    settings = WorkerSettings(
+        model=MODEL,
+        prefix=inproc.prefix,
+        replica_id="counted",
+        claim_timeout_ms=600_000,
+        heartbeat_interval_s=60.0,
+        heartbeat_ttl_s=120.0,
+        idle_block_ms=50,
+    )
+    queue = RequestQueue(
+        counted,
+        prefix=inproc.prefix,
+        model=MODEL,
+        replica_id="counted",
+        output_ttl_s=60,
+        heartbeat_ttl_s=settings.heartbeat_ttl_s,
+    )
+    engine = fresh_engine()
+    at_steps: list[int] = []
+    real_step = engine.step
+
+    def step():
+        at_steps.append(sends.get(threading.get_ident(), 0))
+        return real_step()
+
+    engine.step = step
+    worker = EngineWorker(engine, queue, settings)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        submit(client, inproc.prefix, "one", max_tokens=24, ignore_eos=True)
+        events = wait_events(client, inproc.prefix, "one", timeout=60)
+    finally:
+        worker.request_stop()
+        worker.request_stop()
+        thread.join(timeout=30)
+        counted.close()
+    assert num_streamed_tokens(events) == 24
+    assert len(at_steps) == 24  # one prompt step, then a decode step per token
+    gaps = [b - a for a, b in zip(at_steps, at_steps[1:], strict=False)]
+    assert gaps == [1] * 23
