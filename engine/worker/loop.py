@@ -3,11 +3,11 @@
 Per iteration: (re)claim requests, take new ones (a bounded blocking read only when the engine is
 idle), apply cancels, one engine step, then one pipeline with every event of the step and the acks
 of the requests that ended. While requests still run, that pipeline also reads the new requests
-and cancels for the next step: one round trip between two steps. Delivery is at-least-once; what keeps a reader from seeing an answer
-twice is that a request taken over from another replica (reclaimed from a dead one, or handed back)
-which had already streamed is never run again from its start: it is continued from what its output
-stream shows, after a failover marker that fences out anything the lost replica still writes
-(engine.resume, RequestQueue.take_over). A replica whose heartbeat lapsed has its requests taken
+and cancels for the next step: one round trip between two steps. Delivery is at-least-once; what
+keeps a reader from seeing an answer twice is that a request taken over from another replica
+(reclaimed from a dead one, or handed back) which had already streamed is never run again from its
+start: it is continued from what its output stream shows, after a failover marker that fences out
+anything the lost replica still writes (engine.resume, RequestQueue.take_over). A replica whose heartbeat lapsed has its requests taken
 over at once; one that only stopped touching them, after the claim timeout.
 
 Redis unreachable (restarting, a blip, an outage): the loop stops stepping, keeps every request
