@@ -201,11 +201,8 @@ class EngineWorker:
             # Draining with an idle engine: the read above did not block, so wait briefly
             # instead of spinning on the cancel stream.
             time.sleep(0.01)
-        if not self._stopping and self.engine.has_unfinished_requests():
-            # Another step follows at once: its reads go with this step's events.
-            self.flush(read_ahead=True)
-        else:
-            self.flush()
+        # When another step follows at once, its reads go with this step's events.
+        self.flush(read_ahead=not self._stopping and self.engine.has_unfinished_requests())
         now = time.monotonic()
         if now >= self._next_touch:
             self._touch()
