@@ -77,6 +77,10 @@ def world(committed_db, e2e_model_dir, tmp_path_factory) -> Iterator[World]:
             "max_num_seqs": 1,
             "max_held": 4,
             "claim_timeout_ms": CLAIM_TIMEOUT_MS,
+            # A busy heartbeat is seen within a fifth of a second: a stream that waits for one
+            # is far from its LONG_MAX_TOKENS when it is cut (the tiny model decodes over 1,000
+            # tokens a second; one beat a second let a stream run to its end on a loaded machine).
+            "heartbeat_interval": 0.2,
         },
         tenant_a={"name": "Failover", "slug": "e2e-failover", "allowed_models": [MODEL], **LIMITS},
         tenant_b={"name": "Canceller", "slug": "e2e-canceller", "allowed_models": [MODEL], **LIMITS},
