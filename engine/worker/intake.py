@@ -143,12 +143,16 @@ class Intake:
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
 
-    def read_new(self, *, block: bool) -> None:
+    def read_new(self, *, block: bool) -> list[str] | None:
+        """Take the new entries there is room for; returns the cancels read with them (None when
+        the replica is full and read nothing)."""
         w = self.worker
         room = w.max_held - len(w.held)
         if room <= 0:
-            return
-        self.take_new(w.queue.read_new(room, w.settings.idle_block_ms if block else None))
+            return None
+        read = w.queue.read_turn(room, w.settings.idle_block_ms if block else None)
+        self.take_new(read.entries or [])
+        return read.cancels
 
     def take_new(self, entries: list[Entry]) -> None:
         """Take entries read as new (by read_new, or ahead by the last publish)."""

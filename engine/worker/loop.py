@@ -178,16 +178,18 @@ class EngineWorker:
             # What arrives from here on is read before the next step; a draining replica reads
             # nothing new, so an arrival gives up at most the one step it came during.
             self.arrived.clear()
+        cancels = None
         if not self._stopping:
             if not read_ahead:
-                self.intake.read_new(block=not self.engine.has_unfinished_requests())
+                # The cancels come in the read's round trips, read after it returned.
+                cancels = self.intake.read_new(block=not self.engine.has_unfinished_requests())
             if now >= self._next_steal:
                 self.intake.steal()
                 self._next_steal = now + self.settings.steal_interval_s
         if not read_ahead:
             # After the reads: a request cancelled while this replica blocked on the stream is
             # aborted before its first step.
-            self._apply_cancels()
+            self._apply_cancels(cancels)
         if self.engine.has_unfinished_requests():
             try:
                 outputs = self.engine.step()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import redis
@@ -122,7 +123,6 @@ class RequestQueue:
         self._touch = client.register_script(TOUCH_SCRIPT)
         self._hand_back = client.register_script(HAND_BACK_SCRIPT)
         self._take_over = client.register_script(TAKE_OVER_SCRIPT)
-        self._read_new = client.register_script(READ_NEW_SCRIPT)
         self._steal = client.register_script(STEAL_SCRIPT)
         self._retire = client.register_script(RETIRE_SCRIPT)
         self.heartbeat_ttl_s = heartbeat_ttl_s
@@ -162,34 +162,60 @@ class RequestQueue:
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` entries nobody has read: this replica's own first, then the shared stream's;
         when both are empty, a read of both that blocks up to `block_ms` (None: none)."""
+        return self._read(count, block_ms, cancels=False)[0]
+
+    def read_turn(self, count: int, block_ms: int | None) -> ReadAhead:
+        """What a turn of the loop reads before it steps: the new entries, as `read_new`, and the
+        cancels, as `read_cancels`, each cancel read in the same round trip as a read of entries. A
+        replica woken from its blocking read by a request steps at once, with the cancels read
+        after that request arrived (the read made three round trips before a step, now two)."""
+        return ReadAhead(*self._read(count, block_ms, cancels=True))
+
+    def _read(self, count: int, block_ms: int | None, *, cancels: bool) -> tuple[list[Entry], list[str]]:
         keys = [self.own_stream, self.stream]
-        args: list[str | int] = [CONSUMER_GROUP, self.replica_id, count]
-        try:
-            reply = self._read_new(keys=keys, args=args)
-        except redis.ResponseError as exc:
-            if not _no_group(exc):
-                raise
+        cancel_ids: list[str] = []
+
+        def read(add: Callable[[Any], Any]) -> Any:
+            pipe = self.client.pipeline(transaction=False)
+            add(pipe)
+            if cancels:
+                pipe.xread({self.cancels: self._cancel_cursor}, count=CANCELS_READ_MAX)
+            results = pipe.execute(raise_on_error=False)
+            for result in results:
+                if isinstance(result, redis.ConnectionError | redis.TimeoutError):
+                    raise result
+            if cancels:
+                if isinstance(results[1], Exception):
+                    raise results[1]
+                cancel_ids.extend(self._cancel_ids(results[1]))
+            return results[0]
+
+        def unread(pipe: Any) -> Any:
+            # EVAL, not the registered script: a pipeline checks its scripts exist first.
+            return pipe.eval(READ_NEW_SCRIPT, 2, *keys, CONSUMER_GROUP, self.replica_id, count)
+
+        reply = read(unread)
+        if isinstance(reply, redis.ResponseError) and _no_group(reply):
             # Taken for a lost replica while this one stalled, its stream was retired: open it again.
             self.ensure_group()
-            reply = self._read_new(keys=keys, args=args)
+            reply = read(unread)
+        if isinstance(reply, Exception):
+            raise reply
         entries = self._new_entries(reply)
         if not entries and block_ms is not None:
-            try:
-                reply = self.client.xreadgroup(
-                    CONSUMER_GROUP,
-                    self.replica_id,
-                    {self.own_stream: ">", self.stream: ">"},
-                    count=count,
-                    block=block_ms,
+            reply = read(
+                lambda pipe: pipe.xreadgroup(
+                    CONSUMER_GROUP, self.replica_id, {key: ">" for key in keys}, count=count, block=block_ms
                 )
-            except redis.ResponseError as exc:
-                if not _no_group(exc):
-                    raise
+            )
+            if isinstance(reply, redis.ResponseError) and _no_group(reply):
                 self.ensure_group()  # retired a moment ago (see above); read again next time
                 reply = None
+            elif isinstance(reply, Exception):
+                raise reply
             entries = entries_of(reply)
         self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
-        return entries
+        return entries, cancel_ids
 
     def _new_entries(self, reply: Any) -> list[Entry]:
         own, shared = reply

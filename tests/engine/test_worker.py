@@ -998,61 +998,98 @@ def test_an_output_stream_gets_its_ttl_on_its_first_and_last_entries_not_on_ever
         drop_keys(client, prefix)
 
 
+class CountedWorker:
+    """A replica whose loop thread's sends to Redis are counted (commands, or pipelines, each one
+    round trip): `at_steps` holds the count at each engine step, `blocked_at` the count once each
+    blocking read of new requests was sent. Timers (touch, heartbeat, reclaim) are set far off."""
+
+    def __init__(self, inproc, fresh_engine, *, idle_block_ms: int) -> None:
+        from engine.worker import EngineWorker, RequestQueue, WorkerSettings
+
+        self.sends = 0
+        self.at_steps: list[int] = []
+        self.blocked_at: list[int] = []
+        pool = redis.ConnectionPool.from_url(REDIS_URL)
+        counter = self
+        self.loop_thread: int | None = None
+
+        class Counting(pool.connection_class):  # type: ignore[name-defined, misc]
+            def send_packed_command(self, command, check_health=True):
+                result = super().send_packed_command(command, check_health)
+                if threading.get_ident() == counter.loop_thread:
+                    counter.sends += 1
+                    packed = b"".join(command) if isinstance(command, list) else command
+                    if b"XREADGROUP" in packed and b"BLOCK" in packed:
+                        counter.blocked_at.append(counter.sends)
+                return result
+
+        pool.connection_class = Counting
+        self.client = redis.Redis(connection_pool=pool)
+        settings = WorkerSettings(
+            model=MODEL,
+            prefix=inproc.prefix,
+            replica_id="counted",
+            claim_timeout_ms=600_000,
+            heartbeat_interval_s=60.0,
+            heartbeat_ttl_s=120.0,
+            idle_block_ms=idle_block_ms,
+        )
+        queue = RequestQueue(
+            self.client,
+            prefix=inproc.prefix,
+            model=MODEL,
+            replica_id="counted",
+            output_ttl_s=60,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        )
+        engine = fresh_engine()
+        real_step = engine.step
+
+        def step():
+            self.at_steps.append(self.sends)
+            return real_step()
+
+        engine.step = step
+        self.worker = EngineWorker(engine, queue, settings)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.loop_thread = threading.get_ident()
+        self.worker.run()
+
+    def __enter__(self) -> CountedWorker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.request_stop()
+        self.worker.request_stop()
+        self.thread.join(timeout=30)
+        self.client.close()
+
+
 def test_between_two_steps_a_running_replica_makes_one_round_trip_to_redis(client, inproc, fresh_engine):
     """A step's events, the acks, the read of new requests and the read of cancels for the next
     step go in one pipeline: while a request runs, the replica's loop makes one round trip between
-    two steps (not one per read). Timers (touch, heartbeat, reclaim) are set far off here."""
-    from engine.worker import EngineWorker, RequestQueue, WorkerSettings
-
-    sends: dict[int, int] = {}  # thread -> commands or pipelines sent to Redis
-    pool = redis.ConnectionPool.from_url(REDIS_URL)
-
-    class Counting(pool.connection_class):  # type: ignore[name-defined, misc]
-        def send_packed_command(self, command, check_health=True):
-            ident = threading.get_ident()
-            sends[ident] = sends.get(ident, 0) + 1
-            return super().send_packed_command(command, check_health)
-
-    pool.connection_class = Counting
-    counted = redis.Redis(connection_pool=pool)
-    settings = WorkerSettings(
-        model=MODEL,
-        prefix=inproc.prefix,
-        replica_id="counted",
-        claim_timeout_ms=600_000,
-        heartbeat_interval_s=60.0,
-        heartbeat_ttl_s=120.0,
-        idle_block_ms=50,
-    )
-    queue = RequestQueue(
-        counted,
-        prefix=inproc.prefix,
-        model=MODEL,
-        replica_id="counted",
-        output_ttl_s=60,
-        heartbeat_ttl_s=settings.heartbeat_ttl_s,
-    )
-    engine = fresh_engine()
-    at_steps: list[int] = []
-    real_step = engine.step
-
-    def step():
-        at_steps.append(sends.get(threading.get_ident(), 0))
-        return real_step()
-
-    engine.step = step
-    worker = EngineWorker(engine, queue, settings)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    two steps (not one per read)."""
+    with CountedWorker(inproc, fresh_engine, idle_block_ms=50) as counted:
         submit(client, inproc.prefix, "one", max_tokens=24, ignore_eos=True)
         events = wait_events(client, inproc.prefix, "one", timeout=60)
-    finally:
-        worker.request_stop()
-        worker.request_stop()
-        thread.join(timeout=30)
-        counted.close()
     assert num_streamed_tokens(events) == 24
-    assert len(at_steps) == 24  # one prompt step, then a decode step per token
-    gaps = [b - a for a, b in zip(at_steps, at_steps[1:], strict=False)]
+    assert len(counted.at_steps) == 24  # one prompt step, then a decode step per token
+    gaps = [b - a for a, b in zip(counted.at_steps, counted.at_steps[1:], strict=False)]
     assert gaps == [1] * 23
+
+
+def test_a_replica_woken_by_a_request_steps_without_another_round_trip(client, inproc, fresh_engine):
+    """An idle replica blocks on its request streams; the read of cancels goes in the same round
+    trip, after the blocking read, so the request that woke it is stepped at once (a cancel read
+    of its own made a second round trip first)."""
+    with CountedWorker(inproc, fresh_engine, idle_block_ms=5_000) as counted:
+        wait_until(lambda: counted.blocked_at, timeout=30, what="a blocking read of the streams")
+        submit(client, inproc.prefix, "woke", max_tokens=2, ignore_eos=True)
+        events = wait_events(client, inproc.prefix, "woke", timeout=60)
+    assert num_streamed_tokens(events) == 2
+    # The request came during the first blocking read (it blocks for seconds, far longer than this
+    # takes): nothing was sent between that read and the first step.
+    assert counted.blocked_at[0] == counted.at_steps[0]
