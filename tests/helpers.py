@@ -79,6 +79,11 @@ async def api_post(world: Any, path: str, body: dict, raw_key: str | None = None
     )
 
 
+def sse_events(raw: bytes) -> list[str]:
+    """The data of each server-sent event in `raw`."""
+    return [e[len("data: ") :] for e in raw.decode().split("\n\n") if e]
+
+
 def usage_row(
     key: Any,
     *,

@@ -124,6 +124,24 @@ class GenerationUsage:
         return self.prompt_tokens + self.completion_tokens
 
 
+@dataclass(slots=True)
+class ReadyRead:
+    """A read of `model`'s ready replicas (ready_replica_ids_for_admission) under way."""
+
+    model: str
+    replica_ids: asyncio.Future[list[str]]
+
+    @classmethod
+    def start(cls, model: str) -> ReadyRead:
+        replica_ids = asyncio.ensure_future(ready_replica_ids_for_admission(model))
+        # Its error, if nobody awaits it (a request refused as it is planned), is not logged.
+        replica_ids.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return cls(model, replica_ids)
+
+    def cancel(self) -> None:
+        self.replica_ids.cancel()
+
+
 def engine_unavailable(model: str) -> ServiceUnavailableError:
     return ServiceUnavailableError(
         f"No engine is serving the model `{model}` right now. Please retry shortly.",
@@ -171,6 +189,7 @@ class Generation:
     _last_token_at: float | None = None
     _gaps: list[float] = field(default_factory=list)
     _queued: set[str] = field(default_factory=set)  # engine requests holding a place in the queue bounds
+    _releasing: set[asyncio.Future] = field(default_factory=set)  # places being given back
     _redis_lost_at: float | None = None  # monotonic: when this stream last found Redis unreachable
     # Failover: engine requests whose replica was found gone (monotonic time), waiting for another
     # to take them over; and those taken over, with when their last delta before it came.
@@ -185,6 +204,8 @@ class Generation:
     # A Batch API line: its batch (in the ledger, billed at BATCH_PRICE_FACTOR), and its engine
     # requests are queued at most once (EngineGateway.submit(once=True)).
     batch_id: str = ""
+    # Admission's read of the model's ready replicas, started while the request was planned.
+    ready_read: ReadyRead | None = None
 
     def __post_init__(self) -> None:
         self.usage = GenerationUsage(prompt_tokens=self.plan.prompt_tokens)
@@ -210,7 +231,7 @@ class Generation:
         plan = self.plan
         # Refusals happen before the reservation: nothing is counted, queued or written for them. A
         # replica that is draining finishes what it holds but is no reason to take a new request.
-        if not await ready_replica_ids_for_admission(plan.model):
+        if not await self._ready_replica_ids():
             if plan.replica_wait_s <= 0:
                 raise engine_unavailable(plan.model)
             # Queued for a replica yet to start (an autoscaler wakes the model on its queue): it must
@@ -285,6 +306,14 @@ class Generation:
         self.usage.cached_tokens = sum(u.get("cached_tokens", 0) for u in self._engine_usage.values())
         self.status = "success"
 
+    async def _ready_replica_ids(self) -> list[str]:
+        """The model's ready replicas: as read while the request was planned, when that read was of
+        the model the plan serves (see generation_start), else read now."""
+        read, self.ready_read = self.ready_read, None
+        if read is not None and read.model == self.plan.model:
+            return await read.replica_ids
+        return await ready_replica_ids_for_admission(self.plan.model)
+
     async def _take_queue_places(self) -> None:
         plan, limits = self.plan, self.auth.tenant_limits
         full = await queue_place_take(
@@ -306,16 +335,28 @@ class Generation:
             )
         self._queued.update(plan.engine_request_ids)
 
-    async def _release_queue_places(
-        self, request_ids: list[str] | None = None, *, started: bool = False
-    ) -> None:
-        ids = sorted(self._queued) if request_ids is None else [r for r in request_ids if r in self._queued]
-        if not ids:
+    async def _release_queue_places(self) -> None:
+        """The places still held (and any release still under way) given back: the request ends."""
+        if self._releasing:
+            await asyncio.gather(*self._releasing)
+        ids = sorted(self._queued)
+        self._queued.clear()
+        await self._send_release(ids, started=False)
+
+    def _release_started(self, request_id: str, *, started: bool) -> None:
+        """An engine request's first event: its place is given back by a task of its own, so that
+        the event (a stream's first token) is not held up by the round trip."""
+        self._queued.discard(request_id)
+        task = asyncio.ensure_future(self._send_release([request_id], started=started))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _send_release(self, request_ids: list[str], *, started: bool) -> None:
+        if not request_ids:
             return
-        self._queued.difference_update(ids)
         try:
             await queue_place_release(
-                model=self.plan.model, tenant=self.auth.tenant_slug, request_ids=ids, started=started
+                model=self.plan.model, tenant=self.auth.tenant_slug, request_ids=request_ids, started=started
             )
         except Exception:  # a place left behind expires with the set (STALE_S)
             logger.exception("could not release the queue places of %s", self.plan.request_id)
@@ -392,7 +433,7 @@ class Generation:
                 if rid not in self._pending:
                     continue
                 if rid in self._queued:  # its first event: it started, or ended without starting
-                    await self._release_queue_places([rid], started=event.code != ErrorCode.QUEUE_TIMEOUT)
+                    self._release_started(rid, started=event.code != ErrorCode.QUEUE_TIMEOUT)
                 if event.replica:
                     self._replicas[rid] = event.replica
                 self._orphaned_at.pop(rid, None)
@@ -615,10 +656,15 @@ async def generation_start(
     limit, unknown model, context too long, no engine) raises here, counted in the metrics, before
     anything is queued or reserved; once this returns, the events must be consumed or closed, and
     whatever ends them settles the reservation and writes the ledger row."""
-    plan = None
+    plan, ready_read = None, None
     try:
         if not request_counted:
             await blocking(request_admit)(auth=auth, request_id=request_id)
+        model = data.get("model")
+        if model in auth.allowed_models:
+            # A base model (an adapter's is known once planned): its ready replicas are read while
+            # the prompt is planned, a Redis round trip or two off the time to the first token.
+            ready_read = ReadyRead.start(model)
         plan = await blocking(_PLANNERS[kind])(auth=auth, data=data, request_id=request_id)
         prompt_logprob_volume_check(plan)
         timeouts = [t for t in (client_timeout_s, data.get("timeout")) if t]
@@ -631,12 +677,17 @@ async def generation_start(
             request_counted=True,
             client_timeout_s=min(timeouts) if timeouts else None,
             batch_id=batch_id,
+            ready_read=ready_read,
         )
+        ready_read = None  # the generation's now
         events = generation.run()
         await anext(events)  # admitted and queued
     except PlatformError as exc:
         metrics.record_refused(tenant=auth.tenant_slug, model=plan.model if plan else None, code=exc.code)
         raise
+    finally:
+        if ready_read is not None:
+            ready_read.cancel()
     return generation, events
 
 

@@ -13,7 +13,7 @@ from django.test import AsyncClient
 from inference.tokenization import chat_prompt_ids
 from tenants.models import UsageRecord
 from tenants.services import usage_record_create
-from tests.helpers import api_post
+from tests.helpers import api_post, sse_events
 from tests.inference.conftest import (
     cached_prefix_len,
     offline_outputs,
@@ -36,10 +36,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 def chat_body(world, content: str = "Hi there", **extra) -> dict:
     return {"model": world.model, "messages": [{"role": "user", "content": content}], **extra}
-
-
-def sse_events(raw: bytes) -> list[str]:
-    return [e[len("data: ") :] for e in raw.decode().split("\n\n") if e]
 
 
 async def ledger(request_id: str | None = None) -> list[UsageRecord]:

@@ -12,8 +12,8 @@ import re
 import pytest
 from asgiref.sync import sync_to_async
 
-from tests.helpers import api_post
-from tests.inference.test_chat_api import chat_body, sse_events
+from tests.helpers import api_post, sse_events
+from tests.inference.test_chat_api import chat_body
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -3,6 +3,7 @@ a real engine replica of the tiny model behind it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -17,7 +18,7 @@ from inference.gateway.queue_bounds import (
 )
 from tenants.models import UsageRecord
 from tenants.ratelimit.limiter import in_flight_count
-from tests.helpers import api_post
+from tests.helpers import api_post, sse_events
 from tests.inference.conftest import queued_requests, running_engine_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -133,6 +134,40 @@ async def test_a_served_request_gives_its_place_back(world, engine_worker):
     response = await api_post(world, URL, body(world))
     assert response.status_code == 200
     redis = get_async_redis()
+    assert await redis.zcard(f"{settings.REDIS_PREFIX}queued:{world.model}") == 0
+    assert await redis.zcard(f"{settings.REDIS_PREFIX}starts:{world.model}") == 1
+
+
+async def test_a_streams_first_token_does_not_wait_for_its_place_to_be_given_back(
+    world, engine_worker, monkeypatch
+):
+    """An engine request's place is given back when its first event comes, by a task of its own:
+    the first token goes to the client without waiting for that round trip (here held back until the
+    token has come), and the place is given back all the same."""
+    from django.conf import settings
+
+    from core.redis_client import get_async_redis
+    from inference.services import generation
+
+    gate, real_release = asyncio.Event(), generation.queue_place_release
+
+    async def release_after_the_gate(**kwargs) -> None:
+        await gate.wait()
+        await real_release(**kwargs)
+
+    monkeypatch.setattr(generation, "queue_place_release", release_after_the_gate)
+    response = await api_post(world, URL, body(world, stream=True))
+    assert response.status_code == 200
+    chunks = aiter(response.streaming_content)
+    deltas: list[dict] = []
+    while not any(d.get("content") for d in deltas):
+        for event in sse_events(await asyncio.wait_for(anext(chunks), timeout=60)):
+            deltas.extend(c["delta"] for c in json.loads(event)["choices"])
+    redis = get_async_redis()
+    assert await redis.zcard(f"{settings.REDIS_PREFIX}queued:{world.model}") == 1  # not given back yet
+    gate.set()
+    rest = sse_events(b"".join([chunk async for chunk in chunks]))
+    assert rest[-1] == "[DONE]"
     assert await redis.zcard(f"{settings.REDIS_PREFIX}queued:{world.model}") == 0
     assert await redis.zcard(f"{settings.REDIS_PREFIX}starts:{world.model}") == 1
 
