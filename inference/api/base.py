@@ -43,12 +43,8 @@ class CountedRefusalsApi(ApiView):
     """A generation view of any wire format: a key refused before the body is read is counted
     in the refusal metrics too."""
 
-    async def authenticate(self, request: HttpRequest) -> Any:
-        try:
-            return await super().authenticate(request)
-        except PlatformError as exc:
-            metrics.record_refused(tenant=None, model=None, code=exc.code)
-            raise
+    def key_refused(self, exc: PlatformError) -> None:
+        metrics.record_refused(tenant=None, model=None, code=exc.code)
 
     async def start_generation(
         self,

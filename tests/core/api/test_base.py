@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 from django.test import Client
@@ -212,3 +213,46 @@ def test_the_tokenizer_views_run_their_work_in_the_pool():
     from inference.api.tokens import DetokenizeApi, TokenizeApi
 
     assert TokenizeApi.handler_in_pool and DetokenizeApi.handler_in_pool
+
+
+def test_an_input_serializer_is_made_once_per_thread_and_keeps_nothing_between_bodies():
+    """validated() uses one instance of a serializer class per thread (making one deep-copies its
+    fields): each body still gets its own answer, defaults included, and an error in one body
+    leaves nothing behind for the next, in every thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from core.api.base import validated
+    from core.errors import InvalidRequestError
+    from inference.api.chat_completions.schema import ChatCompletionInputSerializer
+
+    made: list[int] = []
+
+    class Counted(ChatCompletionInputSerializer):
+        def get_fields(self):
+            made.append(threading.get_ident())
+            return super().get_fields()
+
+    def check(i: int) -> None:
+        messages = [{"role": "user", "content": f"question {i}"}]
+        full = validated(
+            Counted, {"model": "m", "messages": messages, "max_tokens": i + 1, "temperature": 0.5}
+        )
+        assert (full["max_tokens"], full["temperature"], full["messages"][0]["content"]) == (
+            i + 1,
+            0.5,
+            f"question {i}",
+        )
+        bare = validated(Counted, {"model": "m", "messages": messages})
+        assert "max_tokens" not in bare and "temperature" not in bare  # nothing kept from the body before
+        with pytest.raises(InvalidRequestError) as refused:
+            validated(Counted, {"model": "m", "messages": messages, "max_tokens": -1})
+        assert refused.value.param == "max_tokens"
+        with pytest.raises(InvalidRequestError) as unknown:
+            validated(Counted, {"model": "m", "messages": messages, "colour": "red"})
+        assert unknown.value.param == "colour"
+        assert validated(Counted, {"model": "m", "messages": messages, "max_tokens": 3})["max_tokens"] == 3
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(check, range(64)))
+    check(64)
+    assert len(made) == len(set(made))  # once per thread that validated, not once per body
