@@ -179,29 +179,22 @@ class RequestQueue:
             pipe = self.client.pipeline(transaction=False)
             add(pipe)
             if cancels:
-                pipe.xread({self.cancels: self._cancel_cursor}, count=CANCELS_READ_MAX)
+                self._pipe_read_cancels(pipe)
             results = pipe.execute(raise_on_error=False)
             for result in results:
                 if isinstance(result, redis.ConnectionError | redis.TimeoutError):
                     raise result
             if cancels:
-                if isinstance(results[1], Exception):
-                    raise results[1]
-                cancel_ids.extend(self._cancel_ids(results[1]))
+                cancel_ids.extend(self._cancels_read(results[1]))
             return results[0]
 
-        def unread(pipe: Any) -> Any:
-            # EVAL, not the registered script: a pipeline checks its scripts exist first.
-            return pipe.eval(READ_NEW_SCRIPT, 2, *keys, CONSUMER_GROUP, self.replica_id, count)
+        def unread(pipe: Any) -> None:
+            self._pipe_read_new(pipe, count)
 
-        reply = read(unread)
-        if isinstance(reply, redis.ResponseError) and _no_group(reply):
-            # Taken for a lost replica while this one stalled, its stream was retired: open it again.
-            self.ensure_group()
-            reply = read(unread)
-        if isinstance(reply, Exception):
-            raise reply
-        entries = self._new_entries(reply)
+        entries = self._new_read(read(unread))
+        if entries is None:
+            # Taken for a lost replica while this one stalled, its stream was retired; made again: read once more.
+            entries = self._new_read(read(unread)) or []
         if not entries and block_ms is not None:
             reply = read(
                 lambda pipe: pipe.xreadgroup(
@@ -213,13 +206,39 @@ class RequestQueue:
                 reply = None
             elif isinstance(reply, Exception):
                 raise reply
-            entries = entries_of(reply)
-        self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
+            entries = self._routed(entries_of(reply))
         return entries, cancel_ids
 
-    def _new_entries(self, reply: Any) -> list[Entry]:
+    # The reads a turn makes before it steps, added to a pipeline that may carry other commands (a
+    # blocking read's, or a step's publish), and what their replies give.
+
+    def _pipe_read_new(self, pipe: Any, count: int) -> None:
+        # EVAL, not the registered script: a pipeline checks its scripts exist in a round trip of
+        # its own first.
+        pipe.eval(READ_NEW_SCRIPT, 2, self.own_stream, self.stream, CONSUMER_GROUP, self.replica_id, count)
+
+    def _pipe_read_cancels(self, pipe: Any) -> None:
+        pipe.xread({self.cancels: self._cancel_cursor}, count=CANCELS_READ_MAX)
+
+    def _new_read(self, reply: Any) -> list[Entry] | None:
+        """The entries of `_pipe_read_new`'s reply; None when this replica's stream was retired (its
+        group is made again, and the caller reads again)."""
+        if isinstance(reply, redis.ResponseError) and _no_group(reply):
+            self.ensure_group()
+            return None
+        if isinstance(reply, Exception):
+            raise reply
         own, shared = reply
-        return [*_script_entries(self.own_stream, own), *_script_entries(self.stream, shared)]
+        return self._routed([*_script_entries(self.own_stream, own), *_script_entries(self.stream, shared)])
+
+    def _cancels_read(self, reply: Any) -> list[str]:
+        if isinstance(reply, Exception):
+            raise reply
+        return self._cancel_ids(reply)
+
+    def _routed(self, entries: list[Entry]) -> list[Entry]:
+        self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
+        return entries
 
     def steal(self, count: int, min_age_ms: int) -> list[Entry]:
         """Entries routed to other replicas that nobody read for `min_age_ms` (their replica is
@@ -451,10 +470,8 @@ class RequestQueue:
             pipe.eval(ACK_OWNED_SCRIPT, 1, stream, CONSUMER_GROUP, self.replica_id, *ids)
         reads = len(pipe)
         if read_ahead > 0:
-            pipe.eval(
-                READ_NEW_SCRIPT, 2, self.own_stream, self.stream, CONSUMER_GROUP, self.replica_id, read_ahead
-            )
-            pipe.xread({self.cancels: self._cancel_cursor}, count=CANCELS_READ_MAX)
+            self._pipe_read_new(pipe, read_ahead)
+            self._pipe_read_cancels(pipe)
         results = pipe.execute(raise_on_error=False)
         self._unsent, self._unsent_acks = [], []
         for index in xadds:
@@ -468,17 +485,8 @@ class RequestQueue:
         if read_ahead <= 0:
             return None
         new, cancels = results[reads:]
-        if isinstance(cancels, Exception):
-            raise cancels
-        cancel_ids = self._cancel_ids(cancels)
-        if isinstance(new, redis.ResponseError) and _no_group(new):
-            self.ensure_group()  # retired while this replica stalled (see read_new)
-            return ReadAhead(None, cancel_ids)
-        if isinstance(new, Exception):
-            raise new
-        entries = self._new_entries(new)
-        self.num_routed += sum(1 for ref, _ in entries if ref.stream == self.own_stream)
-        return ReadAhead(entries, cancel_ids)
+        cancel_ids = self._cancels_read(cancels)
+        return ReadAhead(self._new_read(new), cancel_ids)
 
     @property
     def num_unsent(self) -> int:

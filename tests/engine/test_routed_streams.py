@@ -181,3 +181,25 @@ def test_a_replica_whose_stream_was_retired_while_it_stalled_opens_it_again(clie
     assert stalled.read_new(10, None) == []
     assert client.exists(stalled.own_stream) == 1
     assert b"stalled" in client.smembers(routes_key(prefix, MODEL))
+
+
+def test_every_read_before_a_step_opens_a_retired_stream_again(client, prefix):
+    """The turn's read (with its cancels) and a publish's read ahead take a retired stream's missing
+    group the same way: made again, and nothing read from it counted twice."""
+    stalled, other = queue_of(client, prefix, "stalled"), queue_of(client, prefix, "other")
+    stalled.ensure_group()
+
+    other.retire("stalled")
+    turn = stalled.read_turn(10, None)
+    assert (turn.entries, turn.cancels) == ([], [])
+    assert client.exists(stalled.own_stream) == 1
+
+    other.retire("stalled")
+    ahead = stalled.publish([], [], read_ahead=10)
+    assert ahead is not None and ahead.entries is None  # the next turn reads again
+    assert client.exists(stalled.own_stream) == 1
+    submit(client, prefix, "after", PROMPT)
+    again = stalled.publish([], [], read_ahead=10)
+    assert again is not None and again.entries is not None
+    assert ids(again.entries) == ["after"]
+    assert stalled.num_routed == 0  # from the shared stream
