@@ -1,7 +1,8 @@
-"""A float32 decoder layer of a decode step in one C call (kernels/cpu/decode_layer.c): norms, the
-four products, the rotary embedding, the K/V store and paged attention, in one OpenMP parallel
-region per layer. A step may have up to `max_rows()` sequences: 256 where the library is built with
-AVX-512, 16 with AVX2 and FMA, 8 with neither.
+"""A decoder layer of a decode step in one C call (kernels/cpu/decode_layer.c): norms, the four
+products, the rotary embedding, the K/V store and paged attention, in one OpenMP parallel region per
+layer. In float32 a step may have up to `max_rows()` sequences: 256 where the library is built with
+AVX-512, 16 with AVX2 and FMA, 8 with neither. In bfloat16, up to `max_rows(torch.bfloat16)`: 256
+where the CPU has AVX512-BF16's dot products (Zen 4 and later, Intel since Cooper Lake), else none.
 
 Layer by layer, a decode step pays dispatch beside its products: per layer four oneDNN calls, four
 fused kernels with their wrappers and a dozen module calls (about 3.5 ms of a 15 ms step at one
@@ -64,11 +65,15 @@ _SIGNATURES = {
             ctypes.c_int,  # num_kv_heads
             ctypes.c_int,  # head_dim
             ctypes.c_float,  # scale
+            ctypes.c_int,  # is_bf16
             ctypes.c_int,  # num_threads
         ],
     ),
     "decode_layer_max_rows": (ctypes.c_int, []),
+    "decode_layer_max_rows_bf16": (ctypes.c_int, []),
 }
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -79,16 +84,34 @@ def available() -> bool:
     return _load() is not None
 
 
-def max_rows() -> int:
-    """The widest decode step the built kernel takes (DECODE_LAYER_MAX_ROWS; 0 where it cannot be
-    built): 256 with AVX-512, 16 with AVX2 and FMA, 8 with neither."""
+# With AMX, oneDNN's bfloat16 products multiply on the tiles, far faster than the kernel's vector dot
+# products once a step has rows enough to fill them; there the one-call layers take the narrow steps
+# alone, which stream the weights once and where dispatch is most of what the kernel saves (at one
+# sequence a third of the step). Wider bfloat16 steps have not been measured against AMX.
+AMX_BF16_MAX_ROWS = 8
+
+
+def max_rows(dtype: torch.dtype = torch.float32) -> int:
+    """The widest decode step the built kernel takes in `dtype` (0 where it cannot be built, or takes
+    none of that dtype): in float32 256 with AVX-512, 16 with AVX2 and FMA, 8 with neither; in
+    bfloat16 256 with AVX512-BF16 (AMX_BF16_MAX_ROWS where the CPU has AMX), else 0."""
     lib = _load()
-    return 0 if lib is None else int(lib.decode_layer_max_rows())
+    if lib is None or dtype not in DTYPES:
+        return 0
+    if dtype == torch.float32:
+        return int(lib.decode_layer_max_rows())
+    widest = int(lib.decode_layer_max_rows_bf16())
+    return min(widest, AMX_BF16_MAX_ROWS) if _has_amx() else widest
+
+
+def _has_amx() -> bool:
+    check = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    return bool(check()) if check is not None else False
 
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """One decoder layer's weights, float32 and contiguous: norms (hidden,), qkv (q + 2 kv, hidden)
+    """One decoder layer's weights, all float32 or all bfloat16, contiguous: norms (hidden,), qkv (q + 2 kv, hidden)
     with an optional bias, o (hidden, q), gate_up (2 inter, hidden: gate rows, then up rows), down
     (hidden, inter)."""
 
@@ -102,8 +125,9 @@ class LayerWeights:
 
 
 class DecodeLayers:
-    """The decoder layers of a float32 model as one kernel call each, for steps of decode rows only
-    (one new token per sequence, at most `max_rows` of them)."""
+    """The decoder layers of a float32 or bfloat16 model as one kernel call each, for steps of decode
+    rows only (one new token per sequence, at most `max_rows` of them). Activations, caches and
+    rotary tables are in the weights' dtype."""
 
     def __init__(
         self,
@@ -121,7 +145,10 @@ class DecodeLayers:
         if not layers:
             raise ValueError("no layers")
         self._fn = lib.decode_layer
-        self.max_rows = max_rows()
+        self.dtype = layers[0].qkv.dtype
+        self.max_rows = max_rows(self.dtype)
+        if self.max_rows < 1:
+            raise ValueError(f"the CPU decode layer kernel takes no {self.dtype} steps on this machine")
         hidden = layers[0].input_norm.shape[0]
         inter = layers[0].down.shape[1]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -141,12 +168,12 @@ class DecodeLayers:
                 want = shapes.get(name, (q_size + 2 * kv_size,))
                 if (
                     t.device.type != "cpu"
-                    or t.dtype != torch.float32
+                    or t.dtype != self.dtype
                     or not t.is_contiguous()
                     or t.shape != want
                 ):
                     raise ValueError(
-                        f"layer {i} {name}: {tuple(t.shape)} {t.dtype} is not a contiguous float32 {want}"
+                        f"layer {i} {name}: {tuple(t.shape)} {t.dtype} is not a contiguous {self.dtype} {want}"
                     )
         self.layers = tuple(layers)  # holds the weights the pointers below point into
         self._weights = [
@@ -178,7 +205,7 @@ class DecodeLayers:
         first = kv_caches[0][0]
         for k, v in kv_caches:
             if (
-                k.dtype != torch.float32
+                k.dtype != self.dtype
                 or k.dim() != 4
                 or tuple(k.shape[2:]) != want
                 or k.shape != first.shape
@@ -187,7 +214,7 @@ class DecodeLayers:
                 or not (k.is_contiguous() and v.is_contiguous())
             ):
                 raise ValueError(
-                    "the KV caches must be contiguous float32 (blocks, block_size, kv_heads, head_dim)"
+                    f"the KV caches must be contiguous {self.dtype} (blocks, block_size, kv_heads, head_dim)"
                 )
         self._cache_ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
         self._cache_geometry = (first.shape[0], first.shape[1])
@@ -195,7 +222,7 @@ class DecodeLayers:
 
     def forward(
         self,
-        x: torch.Tensor,  # (rows, hidden) float32, the residual stream: updated in place
+        x: torch.Tensor,  # (rows, hidden) in the weights' dtype, the residual stream: updated in place
         cos: torch.Tensor,  # (rows, head_dim)
         sin_signed: torch.Tensor,  # (rows, head_dim): sin with its first half negated
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -209,18 +236,18 @@ class DecodeLayers:
         rows = x.shape[0]
         if (
             not 0 < rows <= self.max_rows
-            or x.dtype != torch.float32
+            or x.dtype != self.dtype
             or x.shape != (rows, self.hidden)
             or not x.is_contiguous()
         ):
             raise ValueError(
-                f"decode layers: x must be (1..{self.max_rows}, {self.hidden}) contiguous float32"
+                f"decode layers: x must be (1..{self.max_rows}, {self.hidden}) contiguous {self.dtype}"
             )
         table_shape = (rows, self.head_dim)
         for t in (cos, sin_signed):
-            if t.dtype != torch.float32 or t.shape != table_shape or not t.is_contiguous():
+            if t.dtype != self.dtype or t.shape != table_shape or not t.is_contiguous():
                 raise ValueError(
-                    "decode layers: cos and sin_signed must be (rows, head_dim) contiguous float32"
+                    f"decode layers: cos and sin_signed must be (rows, head_dim) contiguous {self.dtype}"
                 )
         if (
             slot_mapping.dtype != torch.int64
@@ -248,6 +275,7 @@ class DecodeLayers:
         threads = torch.get_num_threads()
         delta_ptr = None
         fn = self._fn
+        is_bf16 = int(self.dtype == torch.bfloat16)
         for i, ((ln1, ln2, qkv, qkv_bias, o, gate_up, down), (k_ptr, v_ptr)) in enumerate(
             zip(self._weights, self._cache_ptrs, strict=True)
         ):
@@ -258,7 +286,7 @@ class DecodeLayers:
                 x_ptr, delta_ptr, out_ptr, rows, self.hidden, self.inter, ln1, ln2, self.eps,
                 qkv, qkv_bias, o, gate_up, down, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr,
                 num_blocks, block_size, tables_ptr, bt_stride, bt_width, lens_ptr,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.scale, threads,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.scale, is_bf16, threads,
             )  # fmt: skip
             if status == _BAD_SLOT:
                 raise IndexError("decode layer: a slot lies outside the KV cache (nothing was written)")

@@ -340,8 +340,9 @@ class LlamaForCausalLM(nn.Module):
         # oneDNN's packed copy of the logits weight for narrow batches, set by the loader on CPU.
         self.packed_logits_weight: torch.Tensor | None = None
         self.packed_max_rows = 0  # batches of up to this many rows use packed_logits_weight
-        # Decode steps of up to cpu_decode_layer.max_rows() sequences on CPU in float32: each layer in
-        # one C call (set by _use_fused where the model's layers are the plain kind it computes).
+        # Decode steps of up to cpu_decode_layer.max_rows(dtype) sequences on CPU in float32, and in
+        # bfloat16 where the CPU has bfloat16 dot products: each layer in one C call (set by
+        # _use_fused where the model's layers are the plain kind it computes).
         self._decode_layers: cpu_decode_layer.DecodeLayers | None = None
         # Called between decoder layers while set (engine.step_interrupt: a spare-capacity step may
         # be given up there).
@@ -383,7 +384,9 @@ class LlamaForCausalLM(nn.Module):
                 )
                 module.fused = kernels if on else None
         self._decode_layers = (
-            self._make_decode_layers() if kernels is cpu_fused and dtype == torch.float32 else None
+            self._make_decode_layers()
+            if kernels is cpu_fused and cpu_decode_layer.max_rows(dtype) > 0
+            else None
         )
 
     def _make_decode_layers(self) -> cpu_decode_layer.DecodeLayers | None:

@@ -245,6 +245,100 @@ static void gemv_share_groups(const float *x, int rows, const float *w, const fl
 }
 #endif
 
+#ifdef __AVX512BF16__
+/* bfloat16: x and w bfloat16, 32 values a vector, multiplied in pairs and summed into float32 lanes
+ * (AVX512-BF16's dot product), y rounded to bfloat16 once from the float32 sum and bias, as
+ * oneDNN's bfloat16 products round theirs. A tile of MR x rows by BLOCK weight rows, MR * BLOCK <= 24
+ * accumulators, the weight rows loaded once for every x row. */
+#define BF16_TILE_STEP(LOAD)                                                                                 \
+    do {                                                                                                     \
+        __m512i wv[12];                                                                                      \
+        _Pragma("GCC unroll 12") for (int r = 0; r < BLOCK; r++) wv[r] = LOAD(w0 + r * in + i);             \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {                                              \
+            const __m512bh xv = (__m512bh)LOAD(x + m * in + i);                                              \
+            _Pragma("GCC unroll 12") for (int r = 0; r < BLOCK; r++) acc[m * BLOCK + r] =                    \
+                _mm512_dpbf16_ps(acc[m * BLOCK + r], xv, (__m512bh)wv[r]);                                   \
+        }                                                                                                    \
+    } while (0)
+
+static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t *x, const int MR, const int BLOCK,
+                                                                 const uint16_t *w0, const uint16_t *b, uint16_t *y,
+                                                                 int64_t out, int64_t in, int64_t o) {
+    __m512 acc[24];
+#pragma GCC unroll 24
+    for (int j = 0; j < MR * BLOCK; j++) acc[j] = _mm512_setzero_ps();
+    int64_t i = 0;
+#define PLAIN_LOAD(p) _mm512_loadu_si512((const void *)(p))
+    for (; i + 32 <= in; i += 32) BF16_TILE_STEP(PLAIN_LOAD);
+#undef PLAIN_LOAD
+    if (i < in) { /* the tail, zeros past it (pairs of zeros add nothing) */
+        const __mmask32 k = (__mmask32)((1ull << (in - i)) - 1ull);
+#define MASKED_LOAD(p) _mm512_maskz_loadu_epi16(k, (const void *)(p))
+        BF16_TILE_STEP(MASKED_LOAD);
+#undef MASKED_LOAD
+    }
+    __m512 red[32];
+#pragma GCC unroll 32
+    for (int j = 0; j < 32; j++) red[j] = j < MR * BLOCK ? acc[j] : _mm512_setzero_ps();
+    float sums[32];
+    for (int g = 0; g < MR * BLOCK; g += 16) _mm512_storeu_ps(sums + g, sum16x16(red + g));
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < BLOCK; r++)
+            y[m * out + o + r] = float_to_bf16(sums[m * BLOCK + r] + (b ? bf16_to_float(b[o + r]) : 0.0f));
+}
+#undef BF16_TILE_STEP
+
+/* This thread's share of a bfloat16 product: blocks of BLOCK weight rows spread over the team, each
+ * multiplied by every x row, MR at a time (then the rest), while it sits in L1; the rows past the
+ * last whole block one by one. The next block's rows are asked for ahead (a step of few rows
+ * streams the weights from memory). */
+static inline __attribute__((always_inline)) void gemm_share_bf16_block(const uint16_t *x, int rows, const int MR,
+                                                                        const int BLOCK, const uint16_t *w,
+                                                                        const uint16_t *b, uint16_t *y, int64_t out,
+                                                                        int64_t in) {
+    const int64_t blocks = out / BLOCK;
+#pragma omp for schedule(static) nowait
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t o = blk * BLOCK;
+        const uint16_t *w0 = w + o * in;
+        if (blk + 1 < blocks)
+            for (int r = 0; r < BLOCK; r++)
+                for (int64_t i = 0; i < in; i += 32) __builtin_prefetch(w0 + (BLOCK + r) * in + i, 0, 3);
+        int m = 0;
+        for (; m + MR <= rows; m += MR) gemm_tile_bf16(x + m * in, MR, BLOCK, w0, b, y + m * out, out, in, o);
+        if (BLOCK == WIDE_BLOCK) /* the narrow tiles take exactly their rows: none left */
+            switch (rows - m) {
+            case 1: gemm_tile_bf16(x + m * in, 1, WIDE_BLOCK, w0, b, y + m * out, out, in, o); break;
+            case 2: gemm_tile_bf16(x + m * in, 2, WIDE_BLOCK, w0, b, y + m * out, out, in, o); break;
+            case 3: gemm_tile_bf16(x + m * in, 3, WIDE_BLOCK, w0, b, y + m * out, out, in, o); break;
+            case 4: gemm_tile_bf16(x + m * in, 4, WIDE_BLOCK, w0, b, y + m * out, out, in, o); break;
+            case 5: gemm_tile_bf16(x + m * in, 5, WIDE_BLOCK, w0, b, y + m * out, out, in, o); break;
+            default: break; /* none left: rows - m < WIDE_MR */
+            }
+    }
+#pragma omp single nowait
+    {
+        for (int64_t o = blocks * BLOCK; o < out; o++)
+            for (int m = 0; m < rows; m++) gemm_tile_bf16(x + m * in, 1, 1, w + o * in, b, y + m * out, out, in, o);
+    }
+}
+
+/* The tile by x rows: as many weight rows as the accumulators allow where the rows are few. */
+static void gemm_share_bf16(const uint16_t *x, int rows, const uint16_t *w, const uint16_t *b, uint16_t *y,
+                            int64_t out, int64_t in) {
+    switch (rows) {
+    case 1: gemm_share_bf16_block(x, 1, 1, 12, w, b, y, out, in); break;
+    case 2: gemm_share_bf16_block(x, 2, 2, 8, w, b, y, out, in); break;
+    case 3: gemm_share_bf16_block(x, 3, 3, 6, w, b, y, out, in); break;
+    case 4: gemm_share_bf16_block(x, 4, 4, 4, w, b, y, out, in); break;
+    default: gemm_share_bf16_block(x, rows, WIDE_MR, WIDE_BLOCK, w, b, y, out, in);
+    }
+}
+#define DECODE_LAYER_MAX_ROWS_BF16 DECODE_LAYER_MAX_ROWS
+#else
+#define DECODE_LAYER_MAX_ROWS_BF16 0 /* no bfloat16 dot products: bfloat16 steps keep the layer path */
+#endif
+
 /* The block width by x rows: the most weight rows whose accumulators fit 16 vectors (12 with AVX2's
  * sixteen registers). */
 static inline void gemv_share(const float *x, int rows, const float *w, const float *b, float *y, int64_t out,
@@ -280,30 +374,36 @@ static inline void gemv_share(const float *x, int rows, const float *w, const fl
 #endif
 }
 
-/* The widest step this build takes. */
+/* The widest step this build takes, in float32 and in bfloat16. */
 int decode_layer_max_rows(void) { return DECODE_LAYER_MAX_ROWS; }
+int decode_layer_max_rows_bf16(void) { return DECODE_LAYER_MAX_ROWS_BF16; }
 
 /*
- * Returns 0 on success, 1 when a size is beyond this kernel's limits (rows above
- * DECODE_LAYER_MAX_ROWS, head_dim above 512 or odd, heads not in whole GQA groups), 2 when out of
+ * Returns 0 on success, 1 when a size is beyond this kernel's limits (rows above the build's widest
+ * step in the dtype, head_dim above 512 or odd, heads not in whole GQA groups), 2 when out of
  * memory, DECODE_BAD_SLOT or PAGED_BAD_* (paged_bounds.h) when a slot, block table or length lies
  * out of bounds;
  * nothing is written then.
  *
+ * Every tensor is float32, or bfloat16 where is_bf16 (the slots, tables and lengths aside).
  * x, delta, out_delta: (rows, hidden); cos, sin_signed: (rows, head_dim); slots: (rows,) int64;
  * block_tables (rows, bt_stride) int32 with bt_width entries used; seq_lens (rows,) int32 including
  * the new token. w_qkv ((heads + 2 kv_heads) head_dim, hidden), b_qkv nullable; w_o (hidden, heads
  * head_dim); w_gate_up (2 inter, hidden): gate rows, then up rows; w_down (hidden, inter).
  * delta may be NULL (the first layer); out_delta must not alias x or delta.
+ *
+ * In bfloat16 each step's values are rounded where the engine's layer path rounds them (its fused
+ * kernels' bfloat16 rows are the ones called here; every product's output once, from its float32
+ * sum), so the two differ only in the order of a product's sums.
  */
-int decode_layer(float *x, const float *delta, float *out_delta, int64_t rows, int64_t hidden, int64_t inter,
-                 const float *ln1, const float *ln2, float eps, const float *w_qkv, const float *b_qkv, const float *w_o,
-                 const float *w_gate_up, const float *w_down, const float *cos, const float *sin_signed,
-                 const int64_t *slots, float *k_cache, float *v_cache, int64_t num_blocks, int block_size,
+int decode_layer(void *x, const void *delta, void *out_delta, int64_t rows, int64_t hidden, int64_t inter,
+                 const void *ln1, const void *ln2, float eps, const void *w_qkv, const void *b_qkv, const void *w_o,
+                 const void *w_gate_up, const void *w_down, const void *cos, const void *sin_signed,
+                 const int64_t *slots, void *k_cache, void *v_cache, int64_t num_blocks, int block_size,
                  const int32_t *block_tables, int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens,
-                 int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
-    if (rows < 1 || rows > DECODE_LAYER_MAX_ROWS || head_dim > 512 || head_dim % 2 || num_kv_heads < 1 ||
-        num_heads % num_kv_heads != 0 || block_size < 1)
+                 int num_heads, int num_kv_heads, int head_dim, float scale, int is_bf16, int num_threads) {
+    if (rows < 1 || rows > (is_bf16 ? DECODE_LAYER_MAX_ROWS_BF16 : DECODE_LAYER_MAX_ROWS) || head_dim > 512 ||
+        head_dim % 2 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || block_size < 1)
         return 1;
     const int64_t num_slots = num_blocks * block_size;
     int max_len = 1;
@@ -316,52 +416,105 @@ int decode_layer(float *x, const float *delta, float *out_delta, int64_t rows, i
     }
     const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
     const int64_t qkv_width = q_size + 2 * kv_size;
+    const size_t elem = is_bf16 ? 2 : 4;
     /* Activations of the step (h, qkv, attention output, gate|up, silu product), then each
      * thread's attention scratch, every part 64-byte aligned. */
-    const size_t act_floats = (size_t)rows * (hidden + qkv_width + q_size + 3 * inter);
-    const size_t act_bytes = (act_floats * sizeof(float) + 63) / 64 * 64;
+    const size_t act_values = (size_t)rows * (hidden + qkv_width + q_size + 3 * inter);
+    const size_t act_bytes = (act_values * elem + 63) / 64 * 64;
     const size_t attend_bytes =
         (attend_scratch_floats(num_heads, num_kv_heads, head_dim, max_len) * sizeof(float) + 63) / 64 * 64;
     const int threads = num_threads < 1 ? 1 : num_threads;
     char *scratch = (char *)aligned_alloc(64, act_bytes + (size_t)threads * attend_bytes);
     if (scratch == NULL) return 2;
-    float *h = (float *)scratch, *qkv = h + rows * hidden, *att = qkv + rows * qkv_width;
-    float *gate_up = att + rows * q_size, *act = gate_up + rows * 2 * inter;
+    char *h = scratch, *qkv = h + rows * hidden * elem, *att = qkv + rows * qkv_width * elem;
+    char *gate_up = att + rows * q_size * elem, *act = gate_up + rows * 2 * inter * elem;
 
+    if (!is_bf16) {
+        float *xf = (float *)x, *outf = (float *)out_delta, *hf = (float *)h, *qkvf = (float *)qkv;
+        float *attf = (float *)att, *gate_upf = (float *)gate_up, *actf = (float *)act;
+        const float *deltaf = (const float *)delta, *cosf = (const float *)cos, *sinf = (const float *)sin_signed;
+        float *kc = (float *)k_cache, *vc = (float *)v_cache;
 #pragma omp parallel num_threads(threads)
-    {
-        const int tid = omp_get_thread_num();
-        float *attend_buffer = (float *)(scratch + act_bytes + (size_t)tid * attend_bytes);
+        {
+            const int tid = omp_get_thread_num();
+            float *attend_buffer = (float *)(scratch + act_bytes + (size_t)tid * attend_bytes);
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++)
-            rms_norm_row_f32(x + m * hidden, delta ? delta + m * hidden : NULL, ln1, h + m * hidden, hidden, eps);
-        gemv_share(h, (int)rows, w_qkv, b_qkv, qkv, qkv_width, hidden);
+            for (int64_t m = 0; m < rows; m++)
+                rms_norm_row_f32(xf + m * hidden, deltaf ? deltaf + m * hidden : NULL, (const float *)ln1,
+                                 hf + m * hidden, hidden, eps);
+            gemv_share(hf, (int)rows, (const float *)w_qkv, (const float *)b_qkv, qkvf, qkv_width, hidden);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++) {
-            float *row = qkv + m * qkv_width;
-            for (int hd = 0; hd < num_heads + num_kv_heads; hd++)
-                rope_row_f32(row + (int64_t)hd * head_dim, cos + m * head_dim, sin_signed + m * head_dim, head_dim);
-            memcpy(k_cache + slots[m] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
-            memcpy(v_cache + slots[m] * kv_size, row + q_size + kv_size, (size_t)kv_size * sizeof(float));
-        }
+            for (int64_t m = 0; m < rows; m++) {
+                float *row = qkvf + m * qkv_width;
+                for (int hd = 0; hd < num_heads + num_kv_heads; hd++)
+                    rope_row_f32(row + (int64_t)hd * head_dim, cosf + m * head_dim, sinf + m * head_dim, head_dim);
+                memcpy(kc + slots[m] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
+                memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, (size_t)kv_size * sizeof(float));
+            }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t m = 0; m < rows; m++)
-            attend_one(qkv, qkv_width, k_cache, v_cache, 0, block_tables + m * bt_stride, seq_lens[m], 0, 0.0f, m,
-                       num_heads, num_kv_heads, head_dim, block_size, scale, att, attend_buffer, max_len);
-        /* The attention output's product goes to out_delta, free until the MLP's. */
-        gemv_share(att, (int)rows, w_o, NULL, out_delta, hidden, q_size);
+            for (int64_t m = 0; m < rows; m++)
+                attend_one(qkvf, qkv_width, kc, vc, 0, block_tables + m * bt_stride, seq_lens[m], 0, 0.0f, m,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, attf, attend_buffer, max_len);
+            /* The attention output's product goes to out_delta, free until the MLP's. */
+            gemv_share(attf, (int)rows, (const float *)w_o, NULL, outf, hidden, q_size);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++)
-            rms_norm_row_f32(x + m * hidden, out_delta + m * hidden, ln2, h + m * hidden, hidden, eps);
-        gemv_share(h, (int)rows, w_gate_up, NULL, gate_up, 2 * inter, hidden);
+            for (int64_t m = 0; m < rows; m++)
+                rms_norm_row_f32(xf + m * hidden, outf + m * hidden, (const float *)ln2, hf + m * hidden, hidden, eps);
+            gemv_share(hf, (int)rows, (const float *)w_gate_up, NULL, gate_upf, 2 * inter, hidden);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++)
-            silu_mul_row_f32(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter, act + m * inter, inter);
-        gemv_share(act, (int)rows, w_down, NULL, out_delta, hidden, inter);
+            for (int64_t m = 0; m < rows; m++)
+                silu_mul_row_f32(gate_upf + m * 2 * inter, gate_upf + m * 2 * inter + inter, actf + m * inter, inter);
+            gemv_share(actf, (int)rows, (const float *)w_down, NULL, outf, hidden, inter);
+        }
     }
+#ifdef __AVX512BF16__
+    else {
+        uint16_t *xb = (uint16_t *)x, *outb = (uint16_t *)out_delta, *hb = (uint16_t *)h, *qkvb = (uint16_t *)qkv;
+        uint16_t *attb = (uint16_t *)att, *gate_upb = (uint16_t *)gate_up, *actb = (uint16_t *)act;
+        const uint16_t *deltab = (const uint16_t *)delta;
+        uint16_t *kc = (uint16_t *)k_cache, *vc = (uint16_t *)v_cache;
+#pragma omp parallel num_threads(threads)
+        {
+            const int tid = omp_get_thread_num();
+            float *attend_buffer = (float *)(scratch + act_bytes + (size_t)tid * attend_bytes);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < rows; m++)
+                rms_norm_row_bf16(xb + m * hidden, deltab ? deltab + m * hidden : NULL, (const uint16_t *)ln1,
+                                  hb + m * hidden, hidden, eps);
+            gemm_share_bf16(hb, (int)rows, (const uint16_t *)w_qkv, (const uint16_t *)b_qkv, qkvb, qkv_width, hidden);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < rows; m++) {
+                uint16_t *row = qkvb + m * qkv_width;
+                float cf[512], sf[512];
+                bf16_row_to_float((const uint16_t *)cos + m * head_dim, cf, head_dim);
+                bf16_row_to_float((const uint16_t *)sin_signed + m * head_dim, sf, head_dim);
+                for (int hd = 0; hd < num_heads + num_kv_heads; hd++)
+                    rope_row_bf16(row + (int64_t)hd * head_dim, cf, sf, head_dim);
+                memcpy(kc + slots[m] * kv_size, row + q_size, (size_t)kv_size * sizeof(uint16_t));
+                memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, (size_t)kv_size * sizeof(uint16_t));
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t m = 0; m < rows; m++)
+                attend_one(qkvb, qkv_width, kc, vc, 1, block_tables + m * bt_stride, seq_lens[m], 0, 0.0f, m,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, attb, attend_buffer, max_len);
+            gemm_share_bf16(attb, (int)rows, (const uint16_t *)w_o, NULL, outb, hidden, q_size);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < rows; m++)
+                rms_norm_row_bf16(xb + m * hidden, outb + m * hidden, (const uint16_t *)ln2, hb + m * hidden, hidden,
+                                  eps);
+            gemm_share_bf16(hb, (int)rows, (const uint16_t *)w_gate_up, NULL, gate_upb, 2 * inter, hidden);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < rows; m++) silu_mul_row_bf16(gate_upb + m * 2 * inter, actb + m * inter, inter);
+            gemm_share_bf16(actb, (int)rows, (const uint16_t *)w_down, NULL, outb, hidden, inter);
+        }
+    }
+#endif
     free(scratch);
     return 0;
 }

@@ -57,48 +57,68 @@ static inline void rms_norm_row_f32(float *xr, const float *dr, const float *w, 
     for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
 }
 
+/* One bfloat16 row of rms_norm, through float32 scratch on the thread's stack a chunk of the row at a
+ * time (rows of any width; a row that fits one chunk is read once): with delta, xr = bf16(xr +
+ * delta) first (in place), then o = bf16(bf16(xr / rms(xr)) * w), the eager ops' roundings. */
+static inline void rms_norm_row_bf16(uint16_t *xr, const uint16_t *dr, const uint16_t *w, uint16_t *o, int64_t dim,
+                                     float eps) {
+    float xf[MAX_ROW], tmp[MAX_ROW];
+    float sum = 0.0f;
+    for (int64_t c = 0; c < dim; c += MAX_ROW) {
+        const int64_t n = dim - c < MAX_ROW ? dim - c : MAX_ROW;
+        bf16_row_to_float(xr + c, xf, n);
+        if (dr) {
+            bf16_row_to_float(dr + c, tmp, n);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) xf[i] += tmp[i];
+            round_row_bf16(xf, n);
+            float_row_to_bf16(xf, xr + c, n);
+        }
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) sum += xf[i] * xf[i];
+    }
+    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int64_t c = 0; c < dim; c += MAX_ROW) {
+        const int64_t n = dim - c < MAX_ROW ? dim - c : MAX_ROW;
+        /* x holds the updated row in bfloat16, so reading a chunk again is exact. */
+        if (dim > MAX_ROW) bf16_row_to_float(xr + c, xf, n);
+        /* As the reference: the normalised row is rounded to bfloat16 before the weight. */
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) xf[i] *= inv;
+        round_row_bf16(xf, n);
+        bf16_row_to_float(w + c, tmp, n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) xf[i] *= tmp[i];
+        float_row_to_bf16(xf, o + c, n);
+    }
+}
+
 void rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t rows, int64_t dim,
               float eps, int is_bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim > 32768)
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * dim;
-        float sum = 0.0f;
-        if (!is_bf16) {
+        if (!is_bf16)
             rms_norm_row_f32((float *)x + base, delta ? (const float *)delta + base : NULL, (const float *)weight,
                              (float *)out + base, dim, eps);
-        } else {
-            /* A chunk of the row at a time through float32 scratch on the thread's stack: rows of
-             * any width, and a row that fits one chunk is read once. */
-            float xf[MAX_ROW], tmp[MAX_ROW];
-            uint16_t *xr = (uint16_t *)x + base;
-            for (int64_t c = 0; c < dim; c += MAX_ROW) {
-                const int64_t n = dim - c < MAX_ROW ? dim - c : MAX_ROW;
-                bf16_row_to_float(xr + c, xf, n);
-                if (delta) {
-                    bf16_row_to_float((const uint16_t *)delta + base + c, tmp, n);
+        else
+            rms_norm_row_bf16((uint16_t *)x + base, delta ? (const uint16_t *)delta + base : NULL,
+                              (const uint16_t *)weight, (uint16_t *)out + base, dim, eps);
+    }
+}
+
+/* One bfloat16 row of silu_mul: g holds the gate's width values, then the up's. */
+static inline void silu_mul_row_bf16(const uint16_t *g, uint16_t *o, int64_t width) {
+    float gf[MAX_ROW], uf[MAX_ROW];
+    for (int64_t c = 0; c < width; c += MAX_ROW) {
+        const int64_t n = width - c < MAX_ROW ? width - c : MAX_ROW;
+        bf16_row_to_float(g + c, gf, n);
+        bf16_row_to_float(g + width + c, uf, n);
+        silu_mul_row_f32(gf, NULL, gf, n);
+        round_row_bf16(gf, n); /* silu rounded to bfloat16 before the product, as eager */
 #pragma omp simd
-                    for (int64_t i = 0; i < n; i++) xf[i] += tmp[i];
-                    round_row_bf16(xf, n);
-                    float_row_to_bf16(xf, xr + c, n);
-                }
-#pragma omp simd reduction(+ : sum)
-                for (int64_t i = 0; i < n; i++) sum += xf[i] * xf[i];
-            }
-            float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-            for (int64_t c = 0; c < dim; c += MAX_ROW) {
-                const int64_t n = dim - c < MAX_ROW ? dim - c : MAX_ROW;
-                /* x holds the updated row in bfloat16, so reading a chunk again is exact. */
-                if (dim > MAX_ROW) bf16_row_to_float(xr + c, xf, n);
-                /* As the reference: the normalised row is rounded to bfloat16 before the weight. */
-#pragma omp simd
-                for (int64_t i = 0; i < n; i++) xf[i] *= inv;
-                round_row_bf16(xf, n);
-                bf16_row_to_float((const uint16_t *)weight + c, tmp, n);
-#pragma omp simd
-                for (int64_t i = 0; i < n; i++) xf[i] *= tmp[i];
-                float_row_to_bf16(xf, (uint16_t *)out + base + c, n);
-            }
-        }
+        for (int64_t i = 0; i < n; i++) gf[i] *= uf[i];
+        float_row_to_bf16(gf, o + c, n);
     }
 }
 
@@ -110,18 +130,7 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int i
             const float *u = g + width;
             silu_mul_row_f32(g, u, (float *)out + r * width, width);
         } else {
-            float gf[MAX_ROW], uf[MAX_ROW];
-            const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width;
-            for (int64_t c = 0; c < width; c += MAX_ROW) {
-                const int64_t n = width - c < MAX_ROW ? width - c : MAX_ROW;
-                bf16_row_to_float(g + c, gf, n);
-                bf16_row_to_float(g + width + c, uf, n);
-                silu_mul_row_f32(gf, NULL, gf, n);
-                round_row_bf16(gf, n); /* silu rounded to bfloat16 before the product, as eager */
-#pragma omp simd
-                for (int64_t i = 0; i < n; i++) gf[i] *= uf[i];
-                float_row_to_bf16(gf, (uint16_t *)out + r * width + c, n);
-            }
+            silu_mul_row_bf16((const uint16_t *)gate_up + r * 2 * width, (uint16_t *)out + r * width, width);
         }
     }
 }

@@ -6,6 +6,7 @@ does not compute."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.models import llama
@@ -59,7 +60,7 @@ def test_greedy_tokens_and_logprobs_are_those_of_the_layer_path(model, request, 
 
 def test_steps_wider_than_the_kernel_takes_keep_the_layer_path(tiny_llama_dir, monkeypatch):
     slow, _, _ = _run(tiny_llama_dir, monkeypatch, enabled=False)
-    monkeypatch.setattr(cpu_decode_layer, "max_rows", lambda: 4)
+    monkeypatch.setattr(cpu_decode_layer, "max_rows", lambda dtype=None: 4)
     fast, fast_calls, _ = _run(tiny_llama_dir, monkeypatch, enabled=True)
     assert {1, 3} <= set(fast_calls) and max(fast_calls) == 3  # the steps of 10 rows went layer by layer
     for a, b in zip(slow, fast, strict=True):
@@ -147,3 +148,46 @@ def test_an_engine_that_serves_adapters_runs_steps_without_them_as_one_call(
     tuned_fast, tuned_calls = run(True, adapter)
     assert tuned_fast == tuned_slow != base_fast
     assert tuned_calls == []
+
+
+@pytest.mark.skipif(
+    cpu_decode_layer.max_rows(torch.bfloat16) == 0, reason="no bfloat16 dot products (AVX512-BF16) here"
+)
+def test_bfloat16_decode_steps_take_the_one_call_layers_and_agree_with_the_layer_path(
+    tiny_llama_dir, monkeypatch
+):
+    """In bfloat16 the kernel rounds where the layer path rounds, and only the order of a product's
+    sums differs: the greedy tokens agree, and where they part the two tokens were a near tie of
+    the layer path's."""
+    calls: list[int] = []
+
+    def counted(self, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return _FORWARD(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode_layer.DecodeLayers, "forward", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
+    batch = PROMPTS + [[(t + i) % 1000 for t in PROMPTS[i % 3]] for i in range(10)]
+
+    def run(enabled: bool):
+        monkeypatch.setenv("PAGODA_CPU_DECODE_LAYER", "1" if enabled else "0")
+        llm = LLM(str(tiny_llama_dir), num_blocks=128, max_num_seqs=16, dtype="bfloat16")
+        return llm.generate(PROMPTS[:1], params) + llm.generate(batch, params), llm.engine.runner.model
+
+    slow, _ = run(enabled=False)
+    assert calls == []
+    fast, fast_model = run(enabled=True)
+    assert fast_model._decode_layers is not None and fast_model._decode_layers.dtype == torch.bfloat16
+    assert 1 in calls and (13 in calls) == (cpu_decode_layer.max_rows(torch.bfloat16) >= 13)
+    identical = 0
+    for a, b in zip(slow, fast, strict=True):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        la, lb = a.outputs[0].logprobs or [], b.outputs[0].logprobs or []
+        parted = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
+        identical += parted == len(ta)
+        for i in range(parted):
+            assert la[i].logprob == pytest.approx(lb[i].logprob, abs=0.05)
+        if parted < len(ta):
+            tops = dict(la[parted].top_logprobs)
+            assert tb[parted] in tops and tops[tb[parted]] >= la[parted].logprob - 0.1
+    assert identical >= len(slow) // 2

@@ -211,3 +211,84 @@ def test_wider_steps_and_wrong_weights_are_refused(cpu_kernel_build):
     )
     with pytest.raises(ValueError, match="layer 0 o"):
         _decode_layers([transposed])
+
+
+def _as_dtype(layers: list[LayerWeights], dtype: torch.dtype) -> list[LayerWeights]:
+    return [
+        LayerWeights(
+            **{
+                f: None if getattr(layer, f) is None else getattr(layer, f).to(dtype)
+                for f in LayerWeights.__slots__
+            }
+        )
+        for layer in layers
+    ]
+
+
+def _relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.float() - exact).norm() / exact.norm())
+
+
+# bfloat16, with AVX512-BF16's dot products: each product's output rounded once from its float32
+# sum, the norms, the rotary embedding and silu rounded where the engine's layer path rounds them.
+# The order of a product's sums differs from the reference's, so the kernel and the reference
+# composed in bfloat16 are each measured against the float32 reference of the same bfloat16 inputs:
+# the kernel may be no farther from it than the bfloat16 reference (the residual stream, the
+# output and the K/V stored).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 13, 40])
+@pytest.mark.parametrize("shape", [SHAPE, ODD], ids=["even", "odd"])
+def test_bfloat16_layers_are_as_close_to_float32_as_the_bfloat16_reference(cpu_kernel_build, rows, shape):
+    if cpu_decode_layer.max_rows(torch.bfloat16) == 0:
+        pytest.skip("this build has no bfloat16 dot products (AVX512-BF16)")
+    gen = torch.Generator().manual_seed(100 + rows + shape.hidden)
+    layers = _as_dtype(_layers(gen, True, shape), torch.bfloat16)
+    x, cos, sin_signed, caches, slots, tables, lens = _step(gen, rows, shape)
+    x, cos, sin_signed = x.bfloat16(), cos.bfloat16(), sin_signed.bfloat16()
+    caches = [(k.bfloat16(), v.bfloat16()) for k, v in caches]
+
+    exact_x, exact_caches = x.float(), [(k.float(), v.float()) for k, v in caches]
+    exact = _reference(
+        _as_dtype(layers, torch.float32), exact_x, cos.float(), sin_signed.float(), exact_caches,
+        slots, tables, lens, shape,
+    )  # fmt: skip
+    ref_x, ref_caches = x.clone(), [(k.clone(), v.clone()) for k, v in caches]
+    ref = _reference(layers, ref_x, cos, sin_signed, ref_caches, slots, tables, lens, shape)
+
+    fast = _decode_layers(layers, shape)
+    if rows > fast.max_rows:  # with AMX, wider steps keep the layer path
+        with pytest.raises(ValueError, match="x must be"):
+            fast.forward(x, cos, sin_signed, caches, slots, tables, lens)
+        return
+    got = fast.forward(x, cos, sin_signed, caches, slots, tables, lens)
+
+    assert got.dtype == torch.bfloat16
+    pairs = [(got, ref, exact), (x, ref_x, exact_x)]
+    for (k, v), (rk, rv), (ek, ev) in zip(caches, ref_caches, exact_caches, strict=True):
+        pairs += [(k[slots // BLOCK_SIZE, slots % BLOCK_SIZE], rk[slots // BLOCK_SIZE, slots % BLOCK_SIZE],
+                   ek[slots // BLOCK_SIZE, slots % BLOCK_SIZE])]  # fmt: skip
+        pairs += [(v[slots // BLOCK_SIZE, slots % BLOCK_SIZE], rv[slots // BLOCK_SIZE, slots % BLOCK_SIZE],
+                   ev[slots // BLOCK_SIZE, slots % BLOCK_SIZE])]  # fmt: skip
+    for fast, reference, want in pairs:
+        assert _relative_error(fast, want) <= 1.25 * _relative_error(reference, want) + 2e-3
+
+
+def test_bfloat16_steps_are_taken_where_the_cpu_has_bfloat16_dot_products(cpu_kernel_build):
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    native = "avx512_bf16" in flags and not _cpu_build.portable()
+    widest = cpu_decode_layer.AMX_BF16_MAX_ROWS if "amx_tile" in flags else 256
+    assert cpu_decode_layer.max_rows(torch.bfloat16) == (widest if native else 0)
+    gen = torch.Generator().manual_seed(5)
+    layers = _as_dtype(_layers(gen, bias=False), torch.bfloat16)
+    if not native:
+        with pytest.raises(ValueError, match="takes no torch.bfloat16 steps"):
+            _decode_layers(layers)
+        return
+    fast = _decode_layers(layers)
+    x, cos, sin_signed, caches, slots, tables, lens = _step(gen, 2)
+    with pytest.raises(ValueError, match="contiguous torch.bfloat16"):  # float32 inputs to bfloat16 layers
+        fast.forward(x, cos.bfloat16(), sin_signed.bfloat16(), caches, slots, tables, lens)
+    mixed = LayerWeights(
+        **{**{f: getattr(layers[0], f) for f in LayerWeights.__slots__}, "o": layers[0].o.float()}
+    )
+    with pytest.raises(ValueError, match="layer 0 o"):
+        _decode_layers([mixed])
