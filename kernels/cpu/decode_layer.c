@@ -1,6 +1,8 @@
 /*
- * One decoder layer of a decode step in one call, on CPU (float32): up to 256 sequences with
- * AVX-512, up to 16 with AVX2 and FMA, up to 8 with neither (decode_layer_max_rows). A narrow
+ * One decoder layer of a decode step in one call, on CPU. In float32: up to 256 sequences with
+ * AVX-512, up to 16 with AVX2 and FMA, up to 8 with neither (decode_layer_max_rows). In bfloat16:
+ * up to 256 with AVX512-BF16's dot products, none without (decode_layer_max_rows_bf16; the
+ * products are gemm_tile_bf16's, the rest the fused kernels' bfloat16 rows). A narrow
  * step's prompt rows come as decodes too, each over its sequence's keys up to its own: every row's
  * K/V is stored before any row attends.
  *
