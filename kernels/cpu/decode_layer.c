@@ -376,6 +376,71 @@ static inline void gemv_share(const float *x, int rows, const float *w, const fl
 #endif
 }
 
+/* The layer's parts on a row (or a product) of either dtype: float32, or bfloat16 where is_bf16
+ * (called only where the build takes bfloat16 steps). Pointers are to the first value of the
+ * tensor; offsets count values. */
+
+static inline void norm_row(void *x, const void *delta, const void *w, void *h, int64_t m, int64_t hidden,
+                            float eps, int is_bf16) {
+#ifdef __AVX512BF16__
+    if (is_bf16) {
+        rms_norm_row_bf16((uint16_t *)x + m * hidden, delta ? (const uint16_t *)delta + m * hidden : NULL,
+                          (const uint16_t *)w, (uint16_t *)h + m * hidden, hidden, eps);
+        return;
+    }
+#endif
+    rms_norm_row_f32((float *)x + m * hidden, delta ? (const float *)delta + m * hidden : NULL, (const float *)w,
+                     (float *)h + m * hidden, hidden, eps);
+}
+
+/* This thread's share of y = x w^T (+ b), rows x rows (no barrier: the caller places them). */
+static inline void product(const void *x, int rows, const void *w, const void *b, void *y, int64_t out, int64_t in,
+                           int is_bf16) {
+#ifdef __AVX512BF16__
+    if (is_bf16) {
+        gemm_share_bf16((const uint16_t *)x, rows, (const uint16_t *)w, (const uint16_t *)b, (uint16_t *)y, out, in);
+        return;
+    }
+#endif
+    gemv_share((const float *)x, rows, (const float *)w, (const float *)b, (float *)y, out, in);
+}
+
+/* Row m of q|k|v: q and k rotated in place, k and v stored at the row's slot. */
+static inline void rope_store_row(void *qkv, const void *cos, const void *sin_signed, int64_t m, int64_t slot,
+                                  void *k_cache, void *v_cache, int num_heads, int num_kv_heads, int head_dim,
+                                  int is_bf16) {
+    const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
+    const int64_t width = q_size + 2 * kv_size;
+    const size_t elem = is_bf16 ? 2 : 4;
+    char *row = (char *)qkv + m * width * elem;
+#ifdef __AVX512BF16__
+    if (is_bf16) {
+        float cf[512], sf[512];
+        bf16_row_to_float((const uint16_t *)cos + m * head_dim, cf, head_dim);
+        bf16_row_to_float((const uint16_t *)sin_signed + m * head_dim, sf, head_dim);
+        for (int hd = 0; hd < num_heads + num_kv_heads; hd++)
+            rope_row_bf16((uint16_t *)row + (int64_t)hd * head_dim, cf, sf, head_dim);
+    } else
+#endif
+        for (int hd = 0; hd < num_heads + num_kv_heads; hd++)
+            rope_row_f32((float *)row + (int64_t)hd * head_dim, (const float *)cos + m * head_dim,
+                         (const float *)sin_signed + m * head_dim, head_dim);
+    memcpy((char *)k_cache + slot * kv_size * elem, row + q_size * elem, (size_t)kv_size * elem);
+    memcpy((char *)v_cache + slot * kv_size * elem, row + (q_size + kv_size) * elem, (size_t)kv_size * elem);
+}
+
+/* Row m of silu(gate) * up, gate|up (rows, 2 inter) into act (rows, inter). */
+static inline void silu_row(const void *gate_up, void *act, int64_t m, int64_t inter, int is_bf16) {
+#ifdef __AVX512BF16__
+    if (is_bf16) {
+        silu_mul_row_bf16((const uint16_t *)gate_up + m * 2 * inter, (uint16_t *)act + m * inter, inter);
+        return;
+    }
+#endif
+    const float *g = (const float *)gate_up + m * 2 * inter;
+    silu_mul_row_f32(g, g + inter, (float *)act + m * inter, inter);
+}
+
 /* The widest step this build takes, in float32 and in bfloat16. */
 int decode_layer_max_rows(void) { return DECODE_LAYER_MAX_ROWS; }
 int decode_layer_max_rows_bf16(void) { return DECODE_LAYER_MAX_ROWS_BF16; }
@@ -431,92 +496,33 @@ int decode_layer(void *x, const void *delta, void *out_delta, int64_t rows, int6
     char *h = scratch, *qkv = h + rows * hidden * elem, *att = qkv + rows * qkv_width * elem;
     char *gate_up = att + rows * q_size * elem, *act = gate_up + rows * 2 * inter * elem;
 
-    if (!is_bf16) {
-        float *xf = (float *)x, *outf = (float *)out_delta, *hf = (float *)h, *qkvf = (float *)qkv;
-        float *attf = (float *)att, *gate_upf = (float *)gate_up, *actf = (float *)act;
-        const float *deltaf = (const float *)delta, *cosf = (const float *)cos, *sinf = (const float *)sin_signed;
-        float *kc = (float *)k_cache, *vc = (float *)v_cache;
 #pragma omp parallel num_threads(threads)
-        {
-            const int tid = omp_get_thread_num();
-            float *attend_buffer = (float *)(scratch + act_bytes + (size_t)tid * attend_bytes);
+    {
+        const int tid = omp_get_thread_num();
+        float *attend_buffer = (float *)(scratch + act_bytes + (size_t)tid * attend_bytes);
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++)
-                rms_norm_row_f32(xf + m * hidden, deltaf ? deltaf + m * hidden : NULL, (const float *)ln1,
-                                 hf + m * hidden, hidden, eps);
-            gemv_share(hf, (int)rows, (const float *)w_qkv, (const float *)b_qkv, qkvf, qkv_width, hidden);
+        for (int64_t m = 0; m < rows; m++) norm_row(x, delta, ln1, h, m, hidden, eps, is_bf16);
+        product(h, (int)rows, w_qkv, b_qkv, qkv, qkv_width, hidden, is_bf16);
 #pragma omp barrier
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++) {
-                float *row = qkvf + m * qkv_width;
-                for (int hd = 0; hd < num_heads + num_kv_heads; hd++)
-                    rope_row_f32(row + (int64_t)hd * head_dim, cosf + m * head_dim, sinf + m * head_dim, head_dim);
-                memcpy(kc + slots[m] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
-                memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, (size_t)kv_size * sizeof(float));
-            }
+        for (int64_t m = 0; m < rows; m++)
+            rope_store_row(qkv, cos, sin_signed, m, slots[m], k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+                           is_bf16);
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t m = 0; m < rows; m++)
-                attend_one(qkvf, qkv_width, kc, vc, 0, block_tables + m * bt_stride, seq_lens[m], 0, 0.0f, m,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, attf, attend_buffer, max_len);
-            /* The attention output's product goes to out_delta, free until the MLP's. */
-            gemv_share(attf, (int)rows, (const float *)w_o, NULL, outf, hidden, q_size);
+        for (int64_t m = 0; m < rows; m++)
+            attend_one(qkv, qkv_width, k_cache, v_cache, is_bf16, block_tables + m * bt_stride, seq_lens[m], 0, 0.0f,
+                       m, num_heads, num_kv_heads, head_dim, block_size, scale, att, attend_buffer, max_len);
+        /* The attention output's product goes to out_delta, free until the MLP's. */
+        product(att, (int)rows, w_o, NULL, out_delta, hidden, q_size, is_bf16);
 #pragma omp barrier
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++)
-                rms_norm_row_f32(xf + m * hidden, outf + m * hidden, (const float *)ln2, hf + m * hidden, hidden, eps);
-            gemv_share(hf, (int)rows, (const float *)w_gate_up, NULL, gate_upf, 2 * inter, hidden);
+        for (int64_t m = 0; m < rows; m++) norm_row(x, out_delta, ln2, h, m, hidden, eps, is_bf16);
+        product(h, (int)rows, w_gate_up, NULL, gate_up, 2 * inter, hidden, is_bf16);
 #pragma omp barrier
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++)
-                silu_mul_row_f32(gate_upf + m * 2 * inter, gate_upf + m * 2 * inter + inter, actf + m * inter, inter);
-            gemv_share(actf, (int)rows, (const float *)w_down, NULL, outf, hidden, inter);
-        }
+        for (int64_t m = 0; m < rows; m++) silu_row(gate_up, act, m, inter, is_bf16);
+        product(act, (int)rows, w_down, NULL, out_delta, hidden, inter, is_bf16);
     }
-#ifdef __AVX512BF16__
-    else {
-        uint16_t *xb = (uint16_t *)x, *outb = (uint16_t *)out_delta, *hb = (uint16_t *)h, *qkvb = (uint16_t *)qkv;
-        uint16_t *attb = (uint16_t *)att, *gate_upb = (uint16_t *)gate_up, *actb = (uint16_t *)act;
-        const uint16_t *deltab = (const uint16_t *)delta;
-        uint16_t *kc = (uint16_t *)k_cache, *vc = (uint16_t *)v_cache;
-#pragma omp parallel num_threads(threads)
-        {
-            const int tid = omp_get_thread_num();
-            float *attend_buffer = (float *)(scratch + act_bytes + (size_t)tid * attend_bytes);
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++)
-                rms_norm_row_bf16(xb + m * hidden, deltab ? deltab + m * hidden : NULL, (const uint16_t *)ln1,
-                                  hb + m * hidden, hidden, eps);
-            gemm_share_bf16(hb, (int)rows, (const uint16_t *)w_qkv, (const uint16_t *)b_qkv, qkvb, qkv_width, hidden);
-#pragma omp barrier
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++) {
-                uint16_t *row = qkvb + m * qkv_width;
-                float cf[512], sf[512];
-                bf16_row_to_float((const uint16_t *)cos + m * head_dim, cf, head_dim);
-                bf16_row_to_float((const uint16_t *)sin_signed + m * head_dim, sf, head_dim);
-                for (int hd = 0; hd < num_heads + num_kv_heads; hd++)
-                    rope_row_bf16(row + (int64_t)hd * head_dim, cf, sf, head_dim);
-                memcpy(kc + slots[m] * kv_size, row + q_size, (size_t)kv_size * sizeof(uint16_t));
-                memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, (size_t)kv_size * sizeof(uint16_t));
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t m = 0; m < rows; m++)
-                attend_one(qkvb, qkv_width, kc, vc, 1, block_tables + m * bt_stride, seq_lens[m], 0, 0.0f, m,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, attb, attend_buffer, max_len);
-            gemm_share_bf16(attb, (int)rows, (const uint16_t *)w_o, NULL, outb, hidden, q_size);
-#pragma omp barrier
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++)
-                rms_norm_row_bf16(xb + m * hidden, outb + m * hidden, (const uint16_t *)ln2, hb + m * hidden, hidden,
-                                  eps);
-            gemm_share_bf16(hb, (int)rows, (const uint16_t *)w_gate_up, NULL, gate_upb, 2 * inter, hidden);
-#pragma omp barrier
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < rows; m++) silu_mul_row_bf16(gate_upb + m * 2 * inter, actb + m * inter, inter);
-            gemm_share_bf16(actb, (int)rows, (const uint16_t *)w_down, NULL, outb, hidden, inter);
-        }
-    }
-#endif
     free(scratch);
     return 0;
 }
