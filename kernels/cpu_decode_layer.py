@@ -111,9 +111,9 @@ def _has_amx() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """One decoder layer's weights, all float32 or all bfloat16, contiguous: norms (hidden,), qkv (q + 2 kv, hidden)
-    with an optional bias, o (hidden, q), gate_up (2 inter, hidden: gate rows, then up rows), down
-    (hidden, inter)."""
+    """One decoder layer's weights, all float32 or all bfloat16, contiguous: norms (hidden,), qkv
+    (q + 2 kv, hidden) with an optional bias, o (hidden, q), gate_up (2 inter, hidden: gate rows,
+    then up rows), down (hidden, inter)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
