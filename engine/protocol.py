@@ -13,7 +13,9 @@ Redis layout (every key starts with the deployment's prefix, e.g. "pagoda:"):
 - `{prefix}routes:{model}`       set of the replica ids that have a request stream of their own.
 - `{prefix}prefix:{model}:{hash}`  the replica a prompt prefix was last routed to, with a TTL.
 - `{prefix}out:{request_id}`     stream of events for one request (delta, finished, error), with a TTL;
-                                 replayable, so a late or reconnecting reader loses nothing.
+                                 replayable, so a late or reconnecting reader loses nothing. A delta
+                                 per step, or for a request queued with `stream` false, its first
+                                 tokens and then a delta at most every second and at its end.
                                  Entry ids are `<ms>-<n>`: the replica that runs the request numbers its
                                  events 0, 1, 2, ... under one millisecond stamp, so a write resent
                                  after a lost connection is refused as a duplicate, and a reader sees
@@ -166,6 +168,9 @@ class GenerateRequest:
     # sampling_params unused; the finished event carries one embedding per input.
     task: str = "generate"
     inputs: list[list[int]] | None = None
+    # False: its reader answers once, with the whole output (a JSON body, a batch line), so the
+    # replica publishes its first tokens at once and the rest together (engine.worker.outputs).
+    stream: bool = True
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> dict[bytes | str, bytes | str]:

@@ -274,6 +274,7 @@ ENGINE_SETTINGS = {
     "heartbeat_interval": "float",
     "drain_grace_s": "float",
     "max_failovers": "int",
+    "quiet_publish_s": "float",
     "max_loras": "int",
     "max_cpu_loras": "int",
     "max_lora_rank": "int",

@@ -231,6 +231,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="never give up a spare-capacity (flex) step when a more important request arrives",
     )
     redis_opts.add_argument(
+        "--quiet-publish-s",
+        type=float,
+        default=1.0,
+        help="seconds a non-streamed request's output may wait to be published after its first "
+        "tokens (it goes at its end, or this often); 0: every step",
+    )
+    redis_opts.add_argument(
         "--drain-grace-s",
         type=float,
         default=30.0,
@@ -333,6 +340,7 @@ def worker_settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         max_failovers=args.max_failovers,
         steal_after_ms=args.steal_after_ms,
         step_interrupts=not args.no_step_interrupts,
+        quiet_publish_s=args.quiet_publish_s,
     )
 
 

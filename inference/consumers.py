@@ -222,6 +222,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 request_id=request_id,
                 started_at=started,
                 request_counted=True,  # when the message came in, before its body was read
+                streamed=True,
             )
         except PlatformError as exc:
             await self._error(stream_id, exc)

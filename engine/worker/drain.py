@@ -35,6 +35,9 @@ class Drain:
         w = self.worker
         entries: list[EntryRef] = []
         for held in list(w.held.values()):
+            # A quiet request's output held back is published first: the replica that continues
+            # it resumes from its stream.
+            w.events.extend((held.request_id, e) for e in held.release())
             if held.has_streamed and not w.settings.max_failovers:
                 w.end(held, Event.error(message, code, held.usage()))
             else:

@@ -226,6 +226,7 @@ class Intake:
             num_prompt_tokens=request.num_prompt_tokens,
             # A request that streamed elsewhere was not waiting in the queue since it was queued.
             queued_at=request.created_at if resume is None else 0.0,
+            quiet=not request.stream,
         )
         if resume is not None:
             held.completion_tokens = [len(tokens) for tokens in resume.outputs]

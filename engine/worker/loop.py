@@ -267,7 +267,12 @@ class EngineWorker:
             held = self.held.get(output.request_id)
             if held is None:
                 continue  # aborted or lost this step; its end was already written or is not ours
+            streamed_before = held.has_streamed
             events = events_for_output(held, output)
+            if held.quiet and streamed_before and self.settings.quiet_publish_s > 0:
+                # Its reader answers with the whole text: what follows its first tokens goes at
+                # its end, or once quiet_publish_s has passed (HeldRequest.to_publish).
+                events = held.to_publish(events, time.monotonic(), self.settings.quiet_publish_s)
             if not held.replica_marked and events and events[0].type == "delta":
                 # The reader learns which replica holds its request from the first delta (or from
                 # a failover marker), so it can tell when that replica's heartbeat stops (not on
@@ -282,6 +287,7 @@ class EngineWorker:
     def end(self, held: HeldRequest, event: Event, *, already_popped: bool = False) -> None:
         if not already_popped:
             self.held.pop(held.request_id, None)
+        self.events.extend((held.request_id, e) for e in held.release())
         self.events.append((held.request_id, event))
         self.acks.append(held.message_id)
 

@@ -2,6 +2,11 @@
 
 The worker keeps its own count of tokens sent per index, so an aborted or failed request can be
 settled (usage of what was produced) without asking the engine, whose state for it is gone.
+
+A quiet request (GenerateRequest.stream false: its reader answers once, with the whole text) gets
+its first delta at once, as any request (its time to first token, and which replica holds it), then
+one delta for everything produced since, at its end or once `quiet_publish_s` has passed: instead of
+an entry per step, each written by the replica and read, decoded and gathered by the web tier.
 """
 
 from __future__ import annotations
@@ -13,6 +18,11 @@ from typing import Any
 
 from engine.protocol import DeltaOutput, ErrorCode, Event, FinishedOutput, FinishReason, Usage
 from engine.worker.queue import EntryRef
+
+# The longest a quiet request's output waits unpublished, by default (WorkerSettings.quiet_publish_s):
+# what a replica lost in that time is all that the one continuing it computes again (it resumes
+# from the stream).
+QUIET_PUBLISH_S = 1.0
 
 
 @dataclass(slots=True)
@@ -30,6 +40,9 @@ class HeldRequest:
     queued_at: float = 0.0  # unix time the web tier queued it (0: it streamed on a lost replica)
     taken_at: float = field(default_factory=time.time)  # unix time this replica took it
     first_token_at: float | None = None  # unix time the step that produced its first token here ended
+    quiet: bool = False  # its deltas after the first are held back and published together
+    held_back: Event | None = None  # a quiet request's deltas since its last publication, merged
+    held_back_since: float = 0.0  # monotonic time of the oldest of them
 
     def __post_init__(self) -> None:
         if not self.completion_tokens:
@@ -38,6 +51,27 @@ class HeldRequest:
     @property
     def has_streamed(self) -> bool:
         return any(self.completion_tokens)
+
+    def to_publish(self, events: list[Event], now: float, period_s: float = QUIET_PUBLISH_S) -> list[Event]:
+        """Of one step's events for a quiet request, those to publish now: its deltas are held back
+        (merged) until its end, or until the oldest has waited `period_s`."""
+        out: list[Event] = []
+        for event in events:
+            if event.type != "delta":
+                out.extend(self.release())
+                out.append(event)
+            elif self.held_back is None:
+                self.held_back, self.held_back_since = _copied(event), now
+            else:
+                _merge_into(self.held_back, event)
+        if self.held_back is not None and now - self.held_back_since >= period_s:
+            out.extend(self.release())
+        return out
+
+    def release(self) -> list[Event]:
+        """The deltas held back, as one event to publish now (none when nothing is held)."""
+        held, self.held_back = self.held_back, None
+        return [held] if held is not None else []
 
     def usage(self) -> Usage:
         return Usage(
@@ -124,6 +158,41 @@ def events_for_output(held: HeldRequest, output: Any) -> list[Event]:
                 finished.embedding = vector
         events.append(Event.finished(outputs, held.usage(), held.timing()))
     return events
+
+
+def _copied(event: Event) -> Event:
+    """A delta whose outputs may be extended without touching the event it came from."""
+    return Event(
+        type="delta",
+        outputs=[
+            {**out, "token_ids": list(out["token_ids"]), "logprobs": _list_or_none(out.get("logprobs"))}
+            for out in event.outputs
+        ],
+        prompt_logprobs=event.prompt_logprobs,
+    )
+
+
+def _merge_into(merged: Event, event: Event) -> None:
+    """`event`'s outputs appended to `merged`'s, index by index, as if one step had produced both."""
+    if merged.prompt_logprobs is None:
+        merged.prompt_logprobs = event.prompt_logprobs
+    by_index = {out["index"]: out for out in merged.outputs}
+    for out in event.outputs:
+        into = by_index.get(out["index"])
+        if into is None:
+            merged.outputs.append(
+                {**out, "token_ids": list(out["token_ids"]), "logprobs": _list_or_none(out.get("logprobs"))}
+            )
+            by_index[out["index"]] = merged.outputs[-1]
+            continue
+        into["text"] += out["text"]
+        into["token_ids"].extend(out["token_ids"])
+        if out.get("logprobs"):
+            into["logprobs"] = (into["logprobs"] or []) + out["logprobs"]
+
+
+def _list_or_none(value: list | None) -> list | None:
+    return list(value) if value is not None else None
 
 
 def _wire_logprobs(entries: Any) -> list[dict[str, Any]] | None:

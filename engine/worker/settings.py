@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from engine.config import ConfigError
+from engine.worker.outputs import QUIET_PUBLISH_S
 
 
 def default_replica_id() -> str:
@@ -49,6 +50,9 @@ class WorkerSettings:
     # A spare-capacity (flex) step is given up between layers when a more important request
     # arrives (engine.step_interrupt, engine.worker.arrivals).
     step_interrupts: bool = True
+    # A request whose reader answers once (GenerateRequest.stream false) has its output after its
+    # first tokens published at most this often, and at its end. 0: every step, as a streamed one.
+    quiet_publish_s: float = QUIET_PUBLISH_S
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -67,6 +71,8 @@ class WorkerSettings:
             raise ConfigError(f"max_failovers must be >= 0, got {self.max_failovers}")
         if self.steal_after_ms < 0:
             raise ConfigError(f"steal_after_ms must be >= 0, got {self.steal_after_ms}")
+        if self.quiet_publish_s < 0:
+            raise ConfigError(f"quiet_publish_s must be >= 0, got {self.quiet_publish_s}")
         if self.drain_grace_s < 0:
             raise ConfigError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 

@@ -178,6 +178,9 @@ class Generation:
     request_counted: bool = False  # by request_admit, before planning: admission counts tokens only
     # Seconds the request may wait to start (the client's timeout); the tenant's default also applies.
     client_timeout_s: float | None = None
+    # Its reader answers once, with the whole output (a JSON body, a batch line): the replicas
+    # publish its first tokens at once and the rest together (GenerateRequest.stream).
+    quiet: bool = False
     usage: GenerationUsage = field(init=False)
     status: str = "error"
     error_code: str | None = None
@@ -408,6 +411,7 @@ class Generation:
                     priority=plan.priority,
                     weight=float(self.auth.tenant_limits.fair_share_weight),
                     deadline=deadline,
+                    stream=not self.quiet,
                 ),
                 once=bool(self.batch_id),
                 route=RouteHint(
@@ -497,7 +501,7 @@ class Generation:
         now = time.perf_counter()
         if self._first_token_at is None:
             self._first_token_at = now
-        elif self._last_token_at is not None:
+        elif self._last_token_at is not None and not self.quiet:  # a quiet one's deltas are not per token
             self._gaps.append(now - self._last_token_at)
         self._last_token_at = now
         self._produced += count
@@ -647,11 +651,14 @@ async def generation_start(
     request_counted: bool = False,
     client_timeout_s: float | None = None,
     batch_id: str = "",
+    streamed: bool | None = None,
 ) -> tuple[Generation, AsyncIterator[ChoiceDelta | ChoiceFinished]]:
     """Plan a validated chat or completion body (`kind`), reserve its tokens and queue it.
 
     The request counts against the requests/min limit before its prompt is tokenized (unless the
     caller counted it already: `request_counted`), so a tenant over its rate costs no tokenization.
+    `streamed`: whether the caller passes the events on as they come (None: as the body's `stream`
+    says); when not, the replicas publish them in fewer, larger deltas.
     Returns the Generation and its events (the choices' deltas and finishes). A refusal (rate
     limit, unknown model, context too long, no engine) raises here, counted in the metrics, before
     anything is queued or reserved; once this returns, the events must be consumed or closed, and
@@ -678,6 +685,7 @@ async def generation_start(
             client_timeout_s=min(timeouts) if timeouts else None,
             batch_id=batch_id,
             ready_read=ready_read,
+            quiet=not (plan.stream if streamed is None else streamed),
         )
         ready_read = None  # the generation's now
         events = generation.run()

@@ -354,6 +354,47 @@ def test_logprobs_travel_with_each_token(served):
             assert entry["logprob"] == pytest.approx(entry["top"][0][1])
 
 
+def submit_quiet(client: redis.Redis, prefix: str, request_id: str, **params) -> None:
+    """A request whose reader answers once (GenerateRequest.stream false), greedy."""
+    request = GenerateRequest(
+        request_id=request_id,
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        sampling_params={"temperature": 0.0, **params},
+        tenant="tenant-a",
+        stream=False,
+    )
+    client.xadd(requests_stream(prefix, MODEL), request.encode())
+
+
+def test_a_quiet_request_gets_its_first_tokens_at_once_and_the_rest_in_few_deltas(served, direct_engine):
+    from engine.worker.outputs import QUIET_PUBLISH_S
+
+    c, prefix = served.client, served.prefix
+    sent = time.monotonic()
+    submit_quiet(c, prefix, "quiet-1", n=2, max_tokens=48, ignore_eos=True, logprobs=2)
+
+    events = wait_events(c, prefix, "quiet-1")
+    elapsed = time.monotonic() - sent
+
+    direct = run_directly(
+        direct_engine, "direct-quiet-1", PROMPT, n=2, temperature=0.0, max_tokens=48, ignore_eos=True
+    )
+    assert streamed(events, 0) == direct[0] and streamed(events, 1) == direct[1]
+    deltas = [e for e in events if e.type == "delta"]
+    # The first step's tokens at once (its replica named), then a delta at most every
+    # QUIET_PUBLISH_S and one at the end, instead of one per step (48).
+    assert deltas[0].outputs and all(len(o["token_ids"]) == 1 for o in deltas[0].outputs)
+    assert deltas[0].replica == "solo"
+    assert 2 <= len(deltas) <= 2 + elapsed / QUIET_PUBLISH_S
+    assert len(deltas) < 48
+    for delta in deltas:
+        assert len({o["index"] for o in delta.outputs}) == len(delta.outputs)
+        for o in delta.outputs:  # merged deltas keep each token's logprobs beside it
+            assert [entry["token_id"] for entry in o["logprobs"]] == o["token_ids"]
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 96, "cached_tokens": 0}
+
+
 def test_cancel_ends_the_request_with_abort_and_frees_its_blocks(served):
     c, prefix = served.client, served.prefix
     submit(c, prefix, "cancel-1", max_tokens=400, ignore_eos=True)
@@ -782,6 +823,46 @@ def test_an_engine_failure_releases_its_requests_and_another_replica_continues_t
     assert streaming[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 100, "cached_tokens": 0}
     assert unstarted[-1].type == "finished" and unstarted[-1].replica == "steady"
     assert thread.is_alive()
+
+
+def test_a_quiet_request_whose_engine_fails_publishes_what_it_held_back_and_is_continued_from_there(
+    client, inproc, fresh_engine, direct_engine
+):
+    from engine.worker import EXIT_ENGINE_FAILED
+
+    prefix = inproc.prefix
+    engine = fresh_engine(max_num_seqs=1)
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 4:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = failing_step
+    worker = inproc(engine, replica_id="fragile")
+    submit_quiet(client, prefix, "quiet-lost", max_tokens=100, ignore_eos=True)
+
+    assert worker.run() == EXIT_ENGINE_FAILED
+    # Its first token at once, then the three held back, published as the replica gave up.
+    before = events_of(client, prefix, "quiet-lost")
+    assert [(e.type, [len(o["token_ids"]) for o in e.outputs]) for e in before] == [
+        ("delta", [1]),
+        ("delta", [3]),
+    ]
+    inproc.in_thread(inproc(fresh_engine(), replica_id="steady", claim_timeout_ms=60_000))
+    events = wait_events(client, prefix, "quiet-lost", timeout=60)
+
+    assert events[2].type == "failover" and events[2].replica == "steady"
+    assert len(events) < 100  # the continuation is quiet too
+    assert (
+        streamed(events)
+        == run_directly(
+            direct_engine, "quiet-lost-direct", PROMPT, temperature=0.0, max_tokens=100, ignore_eos=True
+        )[0]
+    )
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 100, "cached_tokens": 0}
 
 
 def test_a_request_lost_more_often_than_max_failovers_ends_with_engine_failed(client, inproc, fresh_engine):

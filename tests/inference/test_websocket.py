@@ -118,6 +118,8 @@ async def test_streamed_text_equals_the_rest_answer_under_greedy(world, engine_w
 
     text = "".join(m["content"] for m in messages["s"] if m["type"] == "delta")
     assert text == rest.json()["choices"][0]["message"]["content"]
+    # The JSON answer was queued quiet, the socket's stream for a delta per step.
+    assert [r.stream for r in await queued_requests(world.model)] == [False, True]
     await communicator.disconnect()
 
 
