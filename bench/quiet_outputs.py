@@ -34,7 +34,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._stack import BenchStack, create_stack  # noqa: E402
-from bench.serving_load import make_prompts, messages_of, model_dir_for, percentile  # noqa: E402
+from bench.serving_load import (  # noqa: E402
+    make_prompts,
+    messages_of,
+    model_dir_for,
+    percentile,
+    stack_client,
+)
 
 MODES = {"every_step": 0.0, "quiet": None}  # quiet_publish_s (None: the default)
 
@@ -67,19 +73,7 @@ def xadd_calls() -> int:
 async def phase(
     stack: BenchStack, prompts: list[str], *, concurrency: int, max_tokens: int
 ) -> dict[str, Any]:
-    import httpx2
-    import openai
-
-    limits = httpx2.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
-    client = openai.AsyncOpenAI(
-        base_url=stack.api_base,
-        api_key=stack.api_key,
-        max_retries=0,
-        timeout=600.0,
-        http_client=openai.DefaultAsyncHttpxClient(
-            limits=limits, timeout=httpx2.Timeout(600.0, connect=60.0)
-        ),
-    )
+    client = stack_client(stack, concurrency)
     texts: dict[str, str] = {}
     latencies: list[float] = []
     errors: list[str] = []

@@ -128,14 +128,14 @@ def messages_of(prompt: str) -> list[dict[str, str]]:
 # --- through the stack ---------------------------------------------------------------------------
 
 
-async def stack_phase(
-    stack: BenchStack, prompts: list[str], *, concurrency: int, max_tokens: int
-) -> dict[str, Any]:
+def stack_client(stack: BenchStack, concurrency: int):
+    """The official AsyncOpenAI client on the stack's API with the benchmark tenant's key: no
+    retries, a connection per client and to spare, and timeouts no run reaches."""
     import httpx2
     import openai
 
     limits = httpx2.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
-    client = openai.AsyncOpenAI(
+    return openai.AsyncOpenAI(
         base_url=stack.api_base,
         api_key=stack.api_key,
         max_retries=0,
@@ -144,6 +144,12 @@ async def stack_phase(
             limits=limits, timeout=httpx2.Timeout(600.0, connect=60.0)
         ),
     )
+
+
+async def stack_phase(
+    stack: BenchStack, prompts: list[str], *, concurrency: int, max_tokens: int
+) -> dict[str, Any]:
+    client = stack_client(stack, concurrency)
     records: list[Record] = []
     pending = iter(prompts)
 

@@ -781,23 +781,27 @@ def inproc(client: redis.Redis) -> Iterator[Callable]:
     drop_keys(client, prefix)
 
 
+def failing_after(engine, *, steps: int):
+    """`engine`, whose steps after the first `steps` raise (a device lost)."""
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > steps:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = failing_step
+    return engine
+
+
 def test_an_engine_failure_releases_its_requests_and_another_replica_continues_the_streamed_one(
     client, inproc, fresh_engine, direct_engine
 ):
     from engine.worker import EXIT_ENGINE_FAILED
 
     prefix = inproc.prefix
-    engine = fresh_engine(max_num_seqs=1)
-    real_step, calls = engine.step, []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) > 4:
-            raise RuntimeError("device lost")
-        return real_step()
-
-    engine.step = failing_step
-    worker = inproc(engine, replica_id="fragile")
+    worker = inproc(failing_after(fresh_engine(max_num_seqs=1), steps=4), replica_id="fragile")
     submit(client, prefix, "was-streaming", max_tokens=100, ignore_eos=True)
     submit(client, prefix, "never-started", max_tokens=5)
 
@@ -831,17 +835,7 @@ def test_a_quiet_request_whose_engine_fails_publishes_what_it_held_back_and_is_c
     from engine.worker import EXIT_ENGINE_FAILED
 
     prefix = inproc.prefix
-    engine = fresh_engine(max_num_seqs=1)
-    real_step, calls = engine.step, []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) > 4:
-            raise RuntimeError("device lost")
-        return real_step()
-
-    engine.step = failing_step
-    worker = inproc(engine, replica_id="fragile")
+    worker = inproc(failing_after(fresh_engine(max_num_seqs=1), steps=4), replica_id="fragile")
     submit_quiet(client, prefix, "quiet-lost", max_tokens=100, ignore_eos=True)
 
     assert worker.run() == EXIT_ENGINE_FAILED
