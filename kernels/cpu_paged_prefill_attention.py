@@ -19,6 +19,9 @@ Reference: kernels.reference.ref_paged_attention.
 from __future__ import annotations
 
 import ctypes
+import functools
+import platform
+from pathlib import Path
 
 import torch
 
@@ -49,6 +52,21 @@ _MAX_HEAD_DIM = 256
 
 def _load() -> ctypes.CDLL | None:
     return _cpu_build.load("paged_prefill_attention", _SIGNATURES)
+
+
+@functools.cache
+def has_vector_tiles() -> bool:
+    """Whether the kernel as built here has its AVX-512 tiles: an x86 CPU with AVX-512F, and not a
+    portable build (PAGODA_CPU_PORTABLE=1). Without them it computes one query row at a time."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or _cpu_build.portable():
+        return False
+    try:
+        return any(
+            line.startswith("flags") and "avx512f" in line.split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+        )
+    except OSError:
+        return False
 
 
 def available() -> bool:

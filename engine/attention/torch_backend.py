@@ -22,7 +22,11 @@ costs more in page faults than the copy itself. One exception: in bfloat16 on a 
 torch's flash attention multiplies on the AMX tiles while the C kernel computes in float32 vector
 code, so fresh chunks of FLASH_FRESH_MIN_TOKENS or more take the flash path (SmolLM2 on a 2-core
 Xeon, a whole prefill step: 768 tokens 244 ms against 283, 1,056 tokens 319-330 against 397-408,
-2,048 tokens 658 against 973; up to 512 tokens the two were even).
+2,048 tokens 658 against 973; up to 512 tokens the two were even). So do they, in either dtype,
+where the kernel has no AVX-512 tiles (kernels.cpu_paged_prefill_attention.has_vector_tiles) and
+computes a query row at a time (SmolLM2 on a 2-core AMD Zen 3, float32: 768 tokens 1,498 ms against
+2,055, 1,024 tokens 2,047 against 3,139; bfloat16, 1,024 tokens 2,144 against 3,265; up to 512
+tokens even).
 """
 
 from __future__ import annotations
@@ -261,7 +265,7 @@ class TorchAttentionBackend:
             return None  # every chunk takes the torch paths already
         flash = self.flash_fresh_chunks
         if flash is None:
-            flash = q.dtype == torch.bfloat16 and cpu_has_amx_bf16()
+            flash = (q.dtype == torch.bfloat16 and cpu_has_amx_bf16()) or not cpu_prefill.has_vector_tiles()
         return FLASH_FRESH_MIN_TOKENS if flash else None
 
     def forward(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -125,9 +128,33 @@ def test_long_fresh_chunks_take_flash_attention_and_the_rest_the_prefill_kernel(
 def test_flash_attention_takes_fresh_chunks_in_bfloat16_on_an_amx_cpu_only(monkeypatch):
     backend = TorchAttentionBackend()
     q32, q16 = torch.zeros(4, 8, 32), torch.zeros(4, 8, 32, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_prefill, "has_vector_tiles", lambda: True)
     for amx in (True, False):
         monkeypatch.setattr(torch_backend, "cpu_has_amx_bf16", lambda amx=amx: amx)
         assert backend._flash_fresh_min(q32, prefill_kernel=True) is None
         want = torch_backend.FLASH_FRESH_MIN_TOKENS if amx else None
         assert backend._flash_fresh_min(q16, prefill_kernel=True) == want
         assert backend._flash_fresh_min(q16, prefill_kernel=False) is None
+
+
+def test_flash_attention_takes_fresh_chunks_in_either_dtype_where_the_kernel_has_no_vector_tiles(monkeypatch):
+    backend = TorchAttentionBackend()
+    monkeypatch.setattr(torch_backend, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(cpu_prefill, "has_vector_tiles", lambda: False)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.zeros(4, 8, 32, dtype=dtype)
+        assert backend._flash_fresh_min(q, prefill_kernel=True) == torch_backend.FLASH_FRESH_MIN_TOKENS
+        assert backend._flash_fresh_min(q, prefill_kernel=False) is None
+
+
+def test_the_prefill_kernel_has_vector_tiles_on_an_avx512_cpu_unless_built_portable(monkeypatch):
+    cpu_prefill.has_vector_tiles.cache_clear()
+    monkeypatch.setattr(cpu_prefill._cpu_build, "portable", lambda: False)
+    flags = Path("/proc/cpuinfo").read_text().split()
+    assert cpu_prefill.has_vector_tiles() == (
+        platform.machine().lower() in ("x86_64", "amd64") and "avx512f" in flags
+    )
+    cpu_prefill.has_vector_tiles.cache_clear()
+    monkeypatch.setattr(cpu_prefill._cpu_build, "portable", lambda: True)
+    assert cpu_prefill.has_vector_tiles() is False
+    cpu_prefill.has_vector_tiles.cache_clear()
