@@ -164,12 +164,18 @@ def _copied(event: Event) -> Event:
     """A delta whose outputs may be extended without touching the event it came from."""
     return Event(
         type="delta",
-        outputs=[
-            {**out, "token_ids": list(out["token_ids"]), "logprobs": _list_or_none(out.get("logprobs"))}
-            for out in event.outputs
-        ],
+        outputs=[_copied_output(out) for out in event.outputs],
         prompt_logprobs=event.prompt_logprobs,
     )
+
+
+def _copied_output(out: dict[str, Any]) -> dict[str, Any]:
+    logprobs = out.get("logprobs")
+    return {
+        **out,
+        "token_ids": list(out["token_ids"]),
+        "logprobs": list(logprobs) if logprobs is not None else None,
+    }
 
 
 def _merge_into(merged: Event, event: Event) -> None:
@@ -180,19 +186,13 @@ def _merge_into(merged: Event, event: Event) -> None:
     for out in event.outputs:
         into = by_index.get(out["index"])
         if into is None:
-            merged.outputs.append(
-                {**out, "token_ids": list(out["token_ids"]), "logprobs": _list_or_none(out.get("logprobs"))}
-            )
+            merged.outputs.append(_copied_output(out))
             by_index[out["index"]] = merged.outputs[-1]
             continue
         into["text"] += out["text"]
         into["token_ids"].extend(out["token_ids"])
         if out.get("logprobs"):
             into["logprobs"] = (into["logprobs"] or []) + out["logprobs"]
-
-
-def _list_or_none(value: list | None) -> list | None:
-    return list(value) if value is not None else None
 
 
 def _wire_logprobs(entries: Any) -> list[dict[str, Any]] | None:
