@@ -20,6 +20,7 @@ keep to their torch paths.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -123,6 +124,18 @@ def _trusted(library: Path) -> bool:
         log.warning("not loading the cached CPU kernel: %s; rebuilding it", exc)
         return False
     return True
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return next(
+        (frozenset(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), frozenset()
+    )
 
 
 def _cpu_signature() -> str:

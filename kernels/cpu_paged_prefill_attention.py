@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
-from pathlib import Path
 
 import torch
 
@@ -60,13 +59,7 @@ def has_vector_tiles() -> bool:
     portable build (PAGODA_CPU_PORTABLE=1). Without them it computes one query row at a time."""
     if platform.machine().lower() not in ("x86_64", "amd64") or _cpu_build.portable():
         return False
-    try:
-        return any(
-            line.startswith("flags") and "avx512f" in line.split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-        )
-    except OSError:
-        return False
+    return "avx512f" in _cpu_build.cpu_flags()
 
 
 def available() -> bool:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +42,7 @@ from engine.attention import AttentionMetadata
 from engine.attention.windowed import WindowedAttention, needs_exact_attention
 from kernels import cpu_paged_decode_attention as cpu_kernel
 from kernels import cpu_paged_prefill_attention as cpu_prefill
+from kernels._cpu_build import cpu_flags
 from kernels._cpu_paged import heads_contiguous
 
 
@@ -158,13 +158,7 @@ FLASH_FRESH_MIN_TOKENS = 768
 @functools.cache
 def cpu_has_amx_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 on AMX tiles (Linux's cpuinfo flag amx_bf16)."""
-    try:
-        return any(
-            line.startswith("flags") and "amx_bf16" in line.split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-        )
-    except OSError:
-        return False
+    return "amx_bf16" in cpu_flags()
 
 
 def plan_step(
