@@ -15,7 +15,7 @@ Redis layout (every key starts with the deployment's prefix, e.g. "pagoda:"):
 - `{prefix}out:{request_id}`     stream of events for one request (delta, finished, error), with a TTL;
                                  replayable, so a late or reconnecting reader loses nothing. A delta
                                  per step, or for a request queued with `stream` false, its first
-                                 tokens and then a delta at most every second and at its end.
+                                 tokens, then a delta at its end and every `quiet_publish_s` (1 s).
                                  Entry ids are `<ms>-<n>`: the replica that runs the request numbers its
                                  events 0, 1, 2, ... under one millisecond stamp, so a write resent
                                  after a lost connection is refused as a duplicate, and a reader sees
