@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._stack import BenchStack, create_stack  # noqa: E402
+from bench.common import cpu_seconds, log  # noqa: E402
 from bench.serving_load import (  # noqa: E402
     make_prompts,
     messages_of,
@@ -43,16 +43,6 @@ from bench.serving_load import (  # noqa: E402
 )
 
 MODES = {"every_step": 0.0, "quiet": None}  # quiet_publish_s (None: the default)
-
-
-def log(message: str) -> None:
-    print(f"[quiet_outputs] {message}", file=sys.stderr, flush=True)
-
-
-def cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def redis_pid(stack: BenchStack) -> int | None:
@@ -129,15 +119,17 @@ def run_mode(stack: BenchStack, mode: str, args: argparse.Namespace, warmup: lis
     stack.start(threads=args.threads)
     try:
         asyncio.run(phase(stack, warmup, concurrency=min(4, args.concurrency), max_tokens=args.max_tokens))
-        pids = {"web": stack.processes["daphne"].pid, "engine": stack.processes["engine"].pid}
+        # Negative: each process alone (bench.common.cpu_seconds).
+        pids = {"web": -stack.processes["daphne"].pid, "engine": -stack.processes["engine"].pid}
         if (pid := redis_pid(stack)) is not None:
-            pids["redis"] = pid
-        cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
+            pids["redis"] = -pid
+        cpu_before = cpu_seconds(pids)
         xadds_before = xadd_calls()
         result = asyncio.run(phase(stack, prompts, concurrency=args.concurrency, max_tokens=args.max_tokens))
         done = max(result["requests"], 1)
+        cpu_after = cpu_seconds(pids)
         result["cpu_ms_per_request"] = {
-            name: round(1000 * (cpu_s(pid) - cpu_before[name]) / done, 2) for name, pid in pids.items()
+            name: round(1000 * (cpu_after[name] - cpu_before[name]) / done, 2) for name in pids
         }
         result["xadds_per_request"] = round((xadd_calls() - xadds_before) / done, 2)
     finally:
